@@ -1,0 +1,100 @@
+"""In-memory conversion: attach Deep Delta Learning heads to a loaded transformers model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .architectures import layout_for, site_specs
+from .errors import DeltafyError
+from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, apply_deltafy, delta_sites
+from .recipe import Recipe, load_recipe
+
+
+def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
+    """The ``deltafy`` config section that fully describes the surgery for ``config``'s model."""
+    layout = layout_for(config)
+    sites = site_specs(config, tuple(recipe.sites))
+    return {
+        "format_version": DELTAFY_FORMAT_VERSION,
+        "base_model_type": config.model_type,
+        "base_architecture": architecture or (config.architectures or [None])[0],
+        "layers": layout.layers,
+        "layout": layout.description,
+        "parallel": layout.parallel,
+        "hidden_size": int(config.hidden_size),
+        "sites": sites,
+        "direction": recipe.direction,
+        "rank": recipe.rank,
+        "gate_bias": recipe.gate_bias,
+        "eps": recipe.eps,
+        "recipe": recipe.model_dump(mode="json"),
+    }
+
+
+def is_converted(model: nn.Module) -> bool:
+    return any(True for _ in delta_sites(model))
+
+
+def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
+    """Turn every residual write of ``model`` into a DDL write, in place, and return it.
+
+    The model's outputs are unchanged up to the gate's initial beta (about 2e-7); the new heads
+    are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a YAML
+    path (default: the paper's scalar recipe).
+    """
+    if is_converted(model):
+        raise DeltafyError("this model is already a deltafy model; convert the original instead")
+    recipe = load_recipe(recipe)
+    config = model.config
+    spec = build_spec(config, recipe, architecture=type(model).__name__)
+    try:
+        apply_deltafy(model, spec)
+    except ValueError as err:
+        raise DeltafyError(str(err).removeprefix("deltafy: ")) from None
+    config.deltafy = spec
+    return model
+
+
+@dataclass
+class SiteSummary:
+    layers: int
+    sites_per_layer: int
+    params_added: int
+    params_base: int
+
+
+def summarize(model: nn.Module) -> SiteSummary:
+    sites = list(delta_sites(model))
+    added = sum(p.numel() for _, s in sites for p in s.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    spec = model.config.deltafy
+    return SiteSummary(
+        layers=len(sites) // max(len(spec["sites"]), 1),
+        sites_per_layer=len(spec["sites"]),
+        params_added=added,
+        params_base=total - added,
+    )
+
+
+def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> list[dict]:
+    """AdamW parameter groups for the DDL heads: gates at ``lr * gate_lr_scale``, the rest at ``lr``.
+
+    Adam moves each parameter by about its learning rate per step whatever the gradient's size,
+    so the gate logit (initialized at -16) needs a larger step to open in a few dozen steps.
+    """
+    if recipe is None:
+        recipe = Recipe.model_validate(model.config.deltafy["recipe"])
+    t = recipe.training
+    gates, others = [], []
+    for _, site in delta_sites(model):
+        gates += list(site.gate.parameters())
+        others += [p for n, p in site.named_parameters() if not n.startswith("gate.")]
+    return [
+        {"params": gates, "lr": t.lr * t.gate_lr_scale, "weight_decay": 0.0, "name": "gate"},
+        {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
+    ]
+
+
+__all__ = ["convert", "build_spec", "summarize", "head_parameter_groups", "is_converted", "DeltaSite"]

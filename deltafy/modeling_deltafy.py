@@ -1,0 +1,257 @@
+# Deep Delta Learning residuals for pretrained Hugging Face decoders.
+#
+# This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
+# lines that bind it to the base model class. It must import only torch and transformers.
+#
+# Every residual write x <- x + h becomes
+#
+#     x <- x + h + beta * (v - k^T x) * k        (Zhang et al., "Deep Delta Learning", 2026)
+#
+# k: unit direction, either the sublayer's own write (k = h / ||h||) or a learned head on c;
+# v: scalar target for the readout k^T x, in units of the stream's RMS;
+# beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, RMS-normalized.
+# The gate bias starts very negative, so a fresh conversion behaves like the original model.
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DELTAFY_FORMAT_VERSION = 1
+
+# Stream/context tensors travel from the stream hook to the write hook of one site. They are
+# kept per thread so that concurrent forwards on one model instance never see each other's.
+_STASH = threading.local()
+
+
+def _stash() -> dict:
+    store = getattr(_STASH, "sites", None)
+    if store is None:
+        store = _STASH.sites = {}
+    return store
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return kwargs["hidden_states"]
+
+
+class DeltaDirection(nn.Module):
+    """Learned direction head k = normalize(W_k c), W_k full or factored as up @ down (rank r)."""
+
+    def __init__(self, hidden_size: int, rank: int | None):
+        super().__init__()
+        self.rank = rank
+        if rank is None:
+            self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        else:
+            self.down = nn.Linear(hidden_size, rank, bias=False)
+            self.up = nn.Linear(rank, hidden_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.rank is None:
+            # Start at k = normalize(c): the direction the sublayer read from.
+            nn.init.eye_(self.proj.weight)
+        else:
+            nn.init.normal_(self.down.weight, std=self.down.in_features**-0.5)
+            nn.init.normal_(self.up.weight, std=self.up.in_features**-0.5)
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        # Weights may be stored in bf16; the direction is computed in c's (fp32) precision.
+        if self.rank is None:
+            return F.linear(c, self.proj.weight.to(c.dtype))
+        return F.linear(F.linear(c, self.down.weight.to(c.dtype)), self.up.weight.to(c.dtype))
+
+
+class DeltaSite(nn.Module):
+    """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
+
+    Attached to the decoder layer as ``layer.delta[site]``; its two hooks run on the layer's own
+    modules: ``capture`` on the module whose input is the stream x, ``write`` on the module
+    whose output h is added to the stream.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        direction: str = "sublayer",
+        rank: int | None = None,
+        gate_bias: float = -16.0,
+        eps: float = 1e-6,
+        scale: float = 1.0,
+        context: str = "output",
+    ):
+        super().__init__()
+        if direction not in ("sublayer", "learned"):
+            raise ValueError(f"direction must be 'sublayer' or 'learned', got {direction!r}")
+        self.hidden_size = hidden_size
+        self.direction_kind = direction
+        self.gate_bias_init = float(gate_bias)
+        self.eps = float(eps)
+        self.scale = float(scale)  # the layer adds scale * h (Granite's residual_multiplier)
+        self.context = context  # "output": c = stream module's output; "input": c = x
+        self.gate = nn.Linear(hidden_size, 1)
+        self.target = nn.Linear(hidden_size, 1)
+        self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
+        self.force_beta: float | None = None  # set by tests and the self-check
+        self.reset_parameters()
+        # Our own init is final: transformers must not re-initialize these as missing weights.
+        for module in self.modules():
+            module._is_hf_initialized = True
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.gate.weight)
+        nn.init.constant_(self.gate.bias, self.gate_bias_init)
+        nn.init.zeros_(self.target.weight)
+        nn.init.zeros_(self.target.bias)
+        if self.direction is not None:
+            self.direction.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, direction={self.direction_kind}, scale={self.scale}"
+
+    # -- hooks -------------------------------------------------------------------------------
+    def capture(self, module, args, kwargs, output):
+        x = _first_tensor(args, kwargs)
+        c = x if self.context == "input" else (output[0] if isinstance(output, tuple) else output)
+        _stash()[id(self)] = (x, c)
+
+    def write(self, module, args, output):
+        try:
+            x, c = _stash().pop(id(self))
+        except KeyError:
+            raise RuntimeError(
+                "deltafy: a residual write ran before its stream was captured; the site map does "
+                "not match this model's layer code"
+            ) from None
+        if isinstance(output, tuple):
+            return (self.correct(x, c, output[0]),) + tuple(output[1:])
+        return self.correct(x, c, output)
+
+    # -- math --------------------------------------------------------------------------------
+    def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
+        dtype = h.dtype
+        xf, cf, hf = x.float(), c.float(), h.float()
+        d = xf.shape[-1]
+        w_g, b_g = self.gate.weight.float(), self.gate.bias.float()
+        w_v, b_v = self.target.weight.float(), self.target.bias.float()
+        # One matmul for both scalar heads; dividing by rms(c) afterwards normalizes c for free.
+        heads = F.linear(cf, torch.cat([w_g, w_v]))
+        inv_rms_c = torch.rsqrt(torch.linalg.vecdot(cf, cf) / d + 1e-6)
+        g = heads[..., 0] * inv_rms_c + b_g
+        v = heads[..., 1] * inv_rms_c + b_v
+        rms_x = torch.sqrt(torch.linalg.vecdot(xf, xf) / d)
+        if self.force_beta is None:
+            beta = 2.0 * torch.sigmoid(g)
+        else:
+            beta = torch.full_like(g, self.force_beta)
+        v = v * rms_x  # the target lives in the stream's units, so one lr fits any model scale
+        m = self.scale
+        if self.direction is None:
+            # k = m h / sqrt(||m h||^2 + eps^2): the correction is a per-token gain on h itself.
+            hh = torch.linalg.vecdot(hf, hf)
+            n = torch.sqrt(hh * (m * m) + self.eps**2)
+            kx = torch.linalg.vecdot(hf, xf) * m / n
+            gain = beta * (v - kx) / n
+            out = hf * (1.0 + gain).unsqueeze(-1)
+        else:
+            kr = self.direction(cf * inv_rms_c.unsqueeze(-1))
+            k = kr * torch.rsqrt(torch.linalg.vecdot(kr, kr) + self.eps**2).unsqueeze(-1)
+            coef = beta * (v - torch.linalg.vecdot(k, xf)) / m
+            out = hf + coef.unsqueeze(-1) * k
+        return out.to(dtype)
+
+
+# -- surgery ------------------------------------------------------------------------------------
+def _layers(model: nn.Module, spec: dict) -> nn.ModuleList:
+    try:
+        layers = model.get_submodule(spec["layers"])
+    except AttributeError:
+        raise ValueError(f"deltafy: this model has no decoder layers at {spec['layers']!r}") from None
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"deltafy: {spec['layers']!r} is not a non-empty list of decoder layers")
+    return layers
+
+
+def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
+    """Attach DDL heads to every site of every decoder layer of ``model``, in place.
+
+    ``spec`` is the ``deltafy`` section of a converted config: ``layers`` (path of the decoder
+    layer list), ``hidden_size``, ``sites`` (per site: ``name``, ``stream``, ``write``, ``context``, ``scale``),
+    ``direction``, ``rank``, ``gate_bias`` and ``eps``.
+    """
+    if getattr(model, "_deltafy_handles", None):
+        raise ValueError("deltafy: this model is already converted")
+    ref = next(model.parameters())
+    handles = []
+    for layer in _layers(model, spec):
+        heads = nn.ModuleDict()
+        for site in spec["sites"]:
+            delta = DeltaSite(
+                hidden_size=spec["hidden_size"],
+                direction=spec.get("direction", "sublayer"),
+                rank=spec.get("rank"),
+                gate_bias=spec.get("gate_bias", -16.0),
+                eps=spec.get("eps", 1e-6),
+                scale=site.get("scale", 1.0),
+                context=site.get("context", "output"),
+            ).to(device=ref.device, dtype=ref.dtype)
+            heads[site["name"]] = delta
+            try:
+                stream = layer.get_submodule(site["stream"]) if site.get("stream") else layer
+                write = layer.get_submodule(site["write"])
+            except AttributeError as err:
+                for handle in handles:
+                    handle.remove()
+                raise ValueError(
+                    f"deltafy: site {site['name']!r} names a module that "
+                    f"{type(layer).__name__} does not have ({err})"
+                ) from None
+            handles.append(stream.register_forward_hook(delta.capture, with_kwargs=True))
+            handles.append(write.register_forward_hook(delta.write))
+        layer.delta = heads
+    model._deltafy_handles = handles
+    return model
+
+
+def delta_sites(model: nn.Module):
+    """Yield (qualified name, DeltaSite) for every site of a converted model."""
+    for name, module in model.named_modules():
+        if isinstance(module, DeltaSite):
+            yield name, module
+
+
+def set_forced_beta(model: nn.Module, value: float | None) -> None:
+    """Pin beta at ``value`` on every site (``None`` restores the learned gates)."""
+    for _, site in delta_sites(model):
+        site.force_beta = value
+
+
+def deltafy_classes(base_config_class: type, base_model_class: type) -> tuple[type, type]:
+    """Config and model classes of a converted checkpoint, derived from its base family.
+
+    Subclassing keeps every original tensor name, generation, tied weights and device maps
+    exactly as transformers implements them for the base family.
+    """
+
+    class DeltafyConfig(base_config_class):
+        model_type = "deltafy"
+
+    class DeltafyForCausalLM(base_model_class):
+        config_class = DeltafyConfig
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            apply_deltafy(self, config.deltafy)
+
+    for cls in (DeltafyConfig, DeltafyForCausalLM):
+        cls.__qualname__ = cls.__name__
+        cls.__module__ = __name__
+    return DeltafyConfig, DeltafyForCausalLM

@@ -1,0 +1,120 @@
+"""Recipes: one validated options model that drives conversion (and training defaults).
+
+A recipe is a YAML file. Bundled recipes are referred to by name (``deltafy recipes`` lists
+them); any other value of ``--recipe`` is read as a path.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from .errors import DeltafyError
+
+DEFAULT_RECIPE = "ddl-scalar"
+
+
+class TrainingDefaults(BaseModel):
+    """Optimizer settings that make the converted heads trainable (see README, "Gates that open")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: PositiveFloat = Field(1e-3, description="learning rate of the target and direction heads")
+    gate_lr_scale: PositiveFloat = Field(
+        100.0,
+        description="the gate's learning rate is lr * gate_lr_scale: Adam moves a parameter about "
+        "lr per step, and a gate initialized at a logit of -16 must travel ~10 logits to open",
+    )
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay on the heads")
+
+
+class Recipe(BaseModel):
+    """How every residual write of a model becomes a Deep Delta Learning write."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="short identifier, recorded in the checkpoint")
+    description: str = Field("", description="one line shown by `deltafy recipes`")
+    direction: Literal["sublayer", "learned"] = Field(
+        "sublayer",
+        description="k = the sublayer's own write normalized (paper) or a learned head on the context",
+    )
+    rank: PositiveInt | None = Field(
+        None, description="rank of the learned direction head (None: full d x d); learned only"
+    )
+    sites: list[Literal["attn", "mlp"]] = Field(
+        default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"
+    )
+    gate_bias: float = Field(
+        -16.0,
+        le=-4.0,
+        ge=-60.0,
+        description="initial gate logit; beta = 2*sigmoid(-16) = 2.3e-7 keeps the model unchanged "
+        "even where residual norms reach 1e4",
+    )
+    eps: PositiveFloat = Field(1e-6, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
+    training: TrainingDefaults = Field(default_factory=TrainingDefaults)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Recipe":
+        if self.rank is not None and self.direction != "learned":
+            raise ValueError("rank applies only to direction: learned")
+        if len(set(self.sites)) != len(self.sites):
+            raise ValueError("sites must not repeat")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _bundled_dir() -> Path:
+    packaged = resources.files("deltafy") / "recipes"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "recipes"  # source checkout / editable install
+
+
+def bundled_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(_bundled_dir().glob("*.yaml"))}
+
+
+def _format_validation(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "recipe"
+        msg = e["msg"].replace("Value error, ", "")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise DeltafyError(f"{origin} must be a YAML mapping of recipe keys")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise DeltafyError(f"invalid {origin}: {_format_validation(err)}") from None
+
+
+def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
+    """A bundled recipe by name, a YAML file by path, or the default recipe for ``None``."""
+    if isinstance(name_or_path, Recipe):
+        return name_or_path
+    key = str(name_or_path) if name_or_path is not None else DEFAULT_RECIPE
+    bundled = bundled_recipes()
+    path = bundled.get(key, Path(key))
+    if not path.is_file():
+        raise DeltafyError(
+            f"no recipe named {key!r}; use one of {', '.join(bundled)} or a path to a YAML file"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise DeltafyError(f"could not read recipe {path}: {str(err).splitlines()[0]}") from None
+    return recipe_from_dict(data, origin=f"recipe {path}")
