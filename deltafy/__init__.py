@@ -1,0 +1,20 @@
+"""deltafy: turn a pretrained Hugging Face decoder into a Deep Delta Learning model.
+
+    import deltafy
+    model = deltafy.convert(model)              # in place; outputs unchanged at init
+    deltafy.save(model, "out", tokenizer=tok)   # self-contained checkpoint folder
+    model = deltafy.load("out")                 # deltafy's own classes, no remote code
+"""
+
+__version__ = "0.1.0"
+
+from .checkpoint import load, save
+from .convert import convert, head_parameter_groups, summarize
+from .errors import DeltafyError
+from .recipe import Recipe, load_recipe
+from .verify import CheckReport
+
+__all__ = [
+    "convert", "save", "load", "summarize", "head_parameter_groups",
+    "Recipe", "load_recipe", "DeltafyError", "CheckReport", "__version__",
+]

@@ -99,6 +99,7 @@ class DeltaSite(nn.Module):
         self.target = nn.Linear(hidden_size, 1)
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
         self.force_beta: float | None = None  # set by tests and the self-check
+        self.beta_log: list | None = None  # when a list, each forward appends its mean beta
         self.reset_parameters()
         # Our own init is final: transformers must not re-initialize these as missing weights.
         for module in self.modules():
@@ -152,6 +153,8 @@ class DeltaSite(nn.Module):
             beta = 2.0 * torch.sigmoid(g)
         else:
             beta = torch.full_like(g, self.force_beta)
+        if self.beta_log is not None:
+            self.beta_log.append(beta.detach().mean())
         v = v * rms_x  # the target lives in the stream's units, so one lr fits any model scale
         m = self.scale
         if self.direction is None:
@@ -232,6 +235,20 @@ def set_forced_beta(model: nn.Module, value: float | None) -> None:
     """Pin beta at ``value`` on every site (``None`` restores the learned gates)."""
     for _, site in delta_sites(model):
         site.force_beta = value
+
+
+def mean_betas(model: nn.Module, run) -> dict[str, float]:
+    """Mean beta per site (qualified name) over whatever forwards ``run()`` performs."""
+    sites = dict(delta_sites(model))
+    for site in sites.values():
+        site.beta_log = []
+    try:
+        run()
+        return {name: float(torch.stack(site.beta_log).mean()) if site.beta_log else float("nan")
+                for name, site in sites.items()}
+    finally:
+        for site in sites.values():
+            site.beta_log = None
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type) -> tuple[type, type]:

@@ -1,1 +1,66 @@
-def main(): pass
+"""The ``deltafy`` command: one module per command, all of them thin layers over the library."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from ..errors import DeltafyError
+from ._console import console, err_console, state
+from .convert import convert_command
+from .inspect import inspect_command
+from .recipes import recipes_command
+
+app = typer.Typer(
+    name="deltafy",
+    help="Turn a pretrained Hugging Face decoder into a Deep Delta Learning model, train it, ship it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+@app.callback()
+def _global(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+) -> None:
+    state.debug = debug
+
+
+app.command("convert", no_args_is_help=True)(convert_command)
+app.command("inspect", no_args_is_help=True)(inspect_command)
+app.command("recipes")(recipes_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: errors become one line on stderr and a non-zero exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    state.debug = "--debug" in args
+    try:
+        app(args=args, prog_name="deltafy", standalone_mode=False)
+    except DeltafyError as err:
+        if state.debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        err_console.print("[bold red]interrupted[/]; no partial output was left behind", highlight=False)
+        sys.exit(130)
+    except Exception as err:  # a bug, or an error we have not learned to explain yet
+        if state.debug:
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {first} (rerun with --debug for details)",
+                          highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+__all__ = ["app", "main", "console"]

