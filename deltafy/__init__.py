@@ -8,13 +8,13 @@
 
 __version__ = "0.1.0"
 
-from .checkpoint import load, save
+from .checkpoint import load, load_tokenizer, save
 from .convert import convert, head_parameter_groups, summarize
 from .errors import DeltafyError
 from .recipe import Recipe, load_recipe
 from .verify import CheckReport
 
 __all__ = [
-    "convert", "save", "load", "summarize", "head_parameter_groups",
+    "convert", "save", "load", "load_tokenizer", "summarize", "head_parameter_groups",
     "Recipe", "load_recipe", "DeltafyError", "CheckReport", "__version__",
 ]

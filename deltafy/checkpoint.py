@@ -105,7 +105,7 @@ def _model_card(config: dict, spec: dict, provenance: dict, check: dict | None) 
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)",
-        "tokenizer = AutoTokenizer.from_pretrained(PATH)",
+        "tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)",
         "```",
         "",
         "## Conversion",
@@ -221,3 +221,16 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     if device is not None:
         model.to(device)
     return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, or None; loaded without running the folder's modeling code."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = read_config(path)
+    fields = {k: v for k, v in config.items() if k not in CONFIG_KEYS_DROPPED}
+    base = AutoConfig.for_model(config["deltafy"]["base_model_type"], **fields)
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), config=base)
+    except Exception:
+        return None

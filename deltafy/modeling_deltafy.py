@@ -138,37 +138,36 @@ class DeltaSite(nn.Module):
     # -- math --------------------------------------------------------------------------------
     def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
+        # Written for few kernel launches: at decode time on CPU the cost is dispatch, not math.
         dtype = h.dtype
-        xf, cf, hf = x.float(), c.float(), h.float()
-        d = xf.shape[-1]
-        w_g, b_g = self.gate.weight.float(), self.gate.bias.float()
-        w_v, b_v = self.target.weight.float(), self.target.bias.float()
-        # One matmul for both scalar heads; dividing by rms(c) afterwards normalizes c for free.
-        heads = F.linear(cf, torch.cat([w_g, w_v]))
-        inv_rms_c = torch.rsqrt(torch.linalg.vecdot(cf, cf) / d + 1e-6)
-        g = heads[..., 0] * inv_rms_c + b_g
-        v = heads[..., 1] * inv_rms_c + b_v
-        rms_x = torch.sqrt(torch.linalg.vecdot(xf, xf) / d)
+        if dtype != torch.float32:
+            x, c, h = x.float(), c.float(), h.float()
+        inv_d = 1.0 / x.shape[-1]
+        weight = torch.cat((self.gate.weight, self.target.weight)).float()
+        bias = torch.cat((self.gate.bias, self.target.bias)).float()
+        # Both scalar heads in one matmul; scaling by 1/rms(c) afterwards normalizes c for free.
+        inv_rms_c = torch.rsqrt(torch.linalg.vecdot(c, c) * inv_d + 1e-6)
+        g, v = torch.addcmul(bias, F.linear(c, weight), inv_rms_c.unsqueeze(-1)).unbind(-1)
         if self.force_beta is None:
-            beta = 2.0 * torch.sigmoid(g)
+            beta = torch.sigmoid(g) * 2.0
         else:
             beta = torch.full_like(g, self.force_beta)
         if self.beta_log is not None:
             self.beta_log.append(beta.detach().mean())
-        v = v * rms_x  # the target lives in the stream's units, so one lr fits any model scale
+        # The target lives in the stream's units (rms of x), so one lr fits models of any scale.
+        v = v * torch.sqrt(torch.linalg.vecdot(x, x) * inv_d)
         m = self.scale
         if self.direction is None:
-            # k = m h / sqrt(||m h||^2 + eps^2): the correction is a per-token gain on h itself.
-            hh = torch.linalg.vecdot(hf, hf)
-            n = torch.sqrt(hh * (m * m) + self.eps**2)
-            kx = torch.linalg.vecdot(hf, xf) * m / n
-            gain = beta * (v - kx) / n
-            out = hf * (1.0 + gain).unsqueeze(-1)
+            # k = m h / n with n = sqrt(|m h|^2 + eps^2): the correction is a per-token gain on h.
+            hh = torch.linalg.vecdot(h, h)
+            n = torch.sqrt((hh * (m * m) if m != 1.0 else hh) + self.eps**2)
+            gain = beta * torch.addcdiv(v, torch.linalg.vecdot(h, x), n, value=-m) / n
+            out = torch.addcmul(h, h, gain.unsqueeze(-1))
         else:
-            kr = self.direction(cf * inv_rms_c.unsqueeze(-1))
+            kr = self.direction(c * inv_rms_c.unsqueeze(-1))
             k = kr * torch.rsqrt(torch.linalg.vecdot(kr, kr) + self.eps**2).unsqueeze(-1)
-            coef = beta * (v - torch.linalg.vecdot(k, xf)) / m
-            out = hf + coef.unsqueeze(-1) * k
+            coef = beta * (v - torch.linalg.vecdot(k, x))
+            out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
         return out.to(dtype)
 
 

@@ -101,6 +101,15 @@ def _restore_transformers(previous):
     hf_logging.enable_progress_bar()
 
 
+def _has_vocabulary(tokenizer) -> bool:
+    # For a folder without tokenizer files, transformers may build a tokenizer that knows only its
+    # special tokens (gpt2, opt, qwen2, gemma, ...): it encodes any text to nothing or <unk>.
+    try:
+        return len(tokenizer) > len(set(tokenizer.all_special_ids))
+    except Exception:
+        return True
+
+
 def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -137,6 +146,9 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         except Exception as err:
             log.warning("no tokenizer loaded for %s: %s", what, _short(err))
+            tokenizer = None
+        if tokenizer is not None and not _has_vocabulary(tokenizer):
+            log.warning("no tokenizer loaded for %s: it has no tokenizer files", what)
             tokenizer = None
     finally:
         _restore_transformers(previous)

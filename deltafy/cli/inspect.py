@@ -7,7 +7,7 @@ import torch
 import typer
 from rich.table import Table
 
-from ..checkpoint import load
+from ..checkpoint import load, load_tokenizer
 from ..modeling_deltafy import mean_betas
 from ..verify import make_inputs
 from ._console import console
@@ -28,13 +28,8 @@ def inspect_command(
 
       deltafy inspect ./smol-delta
     """
-    from transformers import AutoTokenizer
-
     model = load(model_dir, dtype=torch.float32)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception:
-        tokenizer = None
+    tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     console.print(f"[bold]{model_dir}[/]: {spec['base_model_type']} ({spec['base_architecture']}), "
                   f"{spec['layout']}, recipe {spec['recipe']['name']}, direction {spec['direction']}")

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random models of every supported family, built from AutoConfig."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is never reachable from the test machines
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128)
+
+# case name -> (model_type, config overrides). Every supported layout appears at least once.
+TINY_CASES: dict[str, tuple[str, dict]] = {
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, bos_token_id=0, eos_token_id=0)),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-untied": ("llama", dict(tie_word_embeddings=False)),
+    "mistral": ("mistral", {}),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("qwen2", {}),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32)),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+    "gemma": ("gemma", dict(head_dim=16)),
+    "gemma2": ("gemma2", dict(head_dim=16)),
+    "gemma3_text": ("gemma3_text", dict(head_dim=16)),
+    "phi": ("phi", {}),
+    "phi3": ("phi3", dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)),
+    "gpt_neox-parallel": ("gpt_neox", dict(use_parallel_residual=True)),
+    "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
+    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, bos_token_id=0, eos_token_id=0)),
+    "opt-pre-ln": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True)),
+    "opt-post-ln": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=False)),
+    "falcon-new-2ln": ("falcon", dict(new_decoder_architecture=True, num_ln_in_parallel_attn=2, num_kv_heads=2)),
+    "falcon-new-1ln": ("falcon", dict(new_decoder_architecture=True, num_ln_in_parallel_attn=1, num_kv_heads=2)),
+    "falcon-parallel": ("falcon", dict(new_decoder_architecture=False, parallel_attn=True)),
+    "falcon-sequential": ("falcon", dict(new_decoder_architecture=False, parallel_attn=False)),
+    "olmo": ("olmo", {}),
+    "olmo2": ("olmo2", {}),
+    "starcoder2": ("starcoder2", {}),
+    "granite": ("granite", dict(residual_multiplier=0.22)),
+    "cohere": ("cohere", {}),
+    "stablelm-parallel": ("stablelm", dict(use_parallel_residual=True)),
+    "stablelm-sequential": ("stablelm", dict(use_parallel_residual=False)),
+    "smollm3": ("smollm3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+
+
+def tiny_config(case: str):
+    from transformers import AutoConfig
+
+    model_type, overrides = TINY_CASES[case]
+    kwargs = {} if model_type in ("gpt2", "gptj") else dict(_SMALL)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(case: str, seed: int = 0):
+    """A randomly initialized tiny model of ``case`` in eval mode (deterministic per seed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(case)).eval()
+
+
+@pytest.fixture(params=sorted(TINY_CASES))
+def case(request) -> str:
+    return request.param
