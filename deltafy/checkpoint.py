@@ -7,8 +7,10 @@ interrupted or failed save never leaves a folder that looks complete.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 from contextlib import contextmanager
@@ -53,6 +55,15 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _os_errno(err: BaseException) -> int | None:
+    """The OS error code behind a failed write: an OSError's own, or the one safetensors (Rust)
+    reports only in its message, e.g. "I/O error: No space left on device (os error 28)"."""
+    if isinstance(err, OSError):
+        return err.errno
+    match = re.search(r"\(os error (\d+)\)", str(err)) if type(err).__name__ == "SafetensorError" else None
+    return int(match.group(1)) if match else None
+
+
 @contextmanager
 def _atomic_dir(out: Path, overwrite: bool):
     """Yield a temporary sibling folder; on success it replaces ``out``, on any failure it is removed."""
@@ -77,10 +88,13 @@ def _atomic_dir(out: Path, overwrite: bool):
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno == 28:
+        code = _os_errno(err)
+        if code == errno.ENOSPC:
             raise DeltafyError(f"ran out of disk space while writing {out}; nothing was written") from None
         if isinstance(err, OSError):
             raise DeltafyError(f"could not write {out}: {err.strerror or err}; nothing was written") from None
+        if code is not None:
+            raise DeltafyError(f"could not write {out}: {os.strerror(code)}; nothing was written") from None
         raise
     finally:
         if previous is not None:
@@ -137,12 +151,17 @@ def save(model, out: str | Path, tokenizer=None, provenance: dict | None = None,
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
     out = Path(out).expanduser()
-    provenance = {**(provenance or {}), "versions": _versions(),
+    # A loaded checkpoint keeps where it came from when it is saved again.
+    provenance = {**spec.get("provenance", {}), **(provenance or {}), "versions": _versions(),
                   "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     base_config_class = _base_config_class(model.config)
     base_model_class = _base_model_class(model)
     with _atomic_dir(out, overwrite) as tmp:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+        # Tensors keep the names the model has in memory: transformers would otherwise apply the base
+        # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
+        # nothing maps back when the checkpoint is loaded as a deltafy class.
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True,
+                              save_original_format=False)
         config = json.loads((tmp / "config.json").read_text())
         for key in ("auto_map", "deltafy"):
             config.pop(key, None)

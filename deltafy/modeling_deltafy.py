@@ -155,7 +155,8 @@ class DeltaSite(nn.Module):
         if self.beta_log is not None:
             self.beta_log.append(beta.detach().mean())
         # The target lives in the stream's units (rms of x), so one lr fits models of any scale.
-        v = v * torch.sqrt(torch.linalg.vecdot(x, x) * inv_d)
+        # (clamped: sqrt's gradient at an all-zero stream row, e.g. a zero pad embedding, is inf)
+        v = v * torch.sqrt(torch.linalg.vecdot(x, x).clamp_min(1e-30) * inv_d)
         m = self.scale
         if self.direction is None:
             # k = m h / n with n = sqrt(|m h|^2 + eps^2): the correction is a per-token gain on h.
@@ -192,33 +193,35 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
     if getattr(model, "_deltafy_handles", None):
         raise ValueError("deltafy: this model is already converted")
     ref = next(model.parameters())
-    handles = []
+    # Resolve every module first, so a map that does not fit leaves the model untouched.
+    plan = []
     for layer in _layers(model, spec):
-        heads = nn.ModuleDict()
         for site in spec["sites"]:
-            delta = DeltaSite(
-                hidden_size=spec["hidden_size"],
-                direction=spec.get("direction", "sublayer"),
-                rank=spec.get("rank"),
-                gate_bias=spec.get("gate_bias", -16.0),
-                eps=spec.get("eps", 1e-6),
-                scale=site.get("scale", 1.0),
-                context=site.get("context", "output"),
-            ).to(device=ref.device, dtype=ref.dtype)
-            heads[site["name"]] = delta
             try:
                 stream = layer.get_submodule(site["stream"]) if site.get("stream") else layer
                 write = layer.get_submodule(site["write"])
             except AttributeError as err:
-                for handle in handles:
-                    handle.remove()
                 raise ValueError(
                     f"deltafy: site {site['name']!r} names a module that "
                     f"{type(layer).__name__} does not have ({err})"
                 ) from None
-            handles.append(stream.register_forward_hook(delta.capture, with_kwargs=True))
-            handles.append(write.register_forward_hook(delta.write))
-        layer.delta = heads
+            plan.append((layer, site, stream, write))
+    handles = []
+    for layer, site, stream, write in plan:
+        delta = DeltaSite(
+            hidden_size=spec["hidden_size"],
+            direction=spec.get("direction", "sublayer"),
+            rank=spec.get("rank"),
+            gate_bias=spec.get("gate_bias", -16.0),
+            eps=spec.get("eps", 1e-6),
+            scale=site.get("scale", 1.0),
+            context=site.get("context", "output"),
+        ).to(device=ref.device, dtype=ref.dtype)
+        if not hasattr(layer, "delta"):
+            layer.delta = nn.ModuleDict()
+        layer.delta[site["name"]] = delta
+        handles.append(stream.register_forward_hook(delta.capture, with_kwargs=True))
+        handles.append(write.register_forward_hook(delta.write))
     model._deltafy_handles = handles
     return model
 

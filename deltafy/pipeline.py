@@ -57,8 +57,9 @@ def plan_source(source: str, recipe: Recipe | str | None = None) -> Plan:
     if path.is_dir() and (path / "config.json").is_file():
         from transformers import AutoConfig
 
-        from .sources import _short
+        from .sources import _short, refuse_deltafy_folder
 
+        refuse_deltafy_folder(path, source)
         try:
             config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except Exception as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -110,6 +111,17 @@ def _has_vocabulary(tokenizer) -> bool:
         return True
 
 
+def refuse_deltafy_folder(path: Path, what: str) -> None:
+    """Refuse a deltafy checkpoint as a source (its config only loads with remote code, so this
+    is checked on the raw JSON before transformers reads it)."""
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable configs get their own error from transformers
+    if model_type == "deltafy":
+        raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
+
+
 def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -192,6 +204,7 @@ def load_gguf(path: Path, dtype: str) -> Source:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+            del model, tokenizer  # reloaded from the cache below; never hold two copies
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             log.warning("could not cache the dequantized GGUF model: %s", _short(err))
@@ -221,6 +234,7 @@ def load_source(source: str, dtype: str = "auto") -> Source:
                 f"{source} has no config.json; pass a Hugging Face model folder (config.json and "
                 f"*.safetensors), a .gguf file or a Hub id"
             )
+        refuse_deltafy_folder(path, source)
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
         loaded.provenance = {"kind": "local", "source": str(path.resolve()),
                              "config_sha256": sha256_file(path / "config.json")}

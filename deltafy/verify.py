@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import DeltafyError
-from .modeling_deltafy import _first_tensor, delta_sites, set_forced_beta
+from .modeling_deltafy import _first_tensor, _stash, delta_sites, set_forced_beta
 
 PROMPTS = (
     "The capital of France is",
@@ -138,6 +138,12 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     try:
         with forced_beta(model, 0.0):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except RuntimeError as err:  # a write before its stream, or a write of the wrong width
+        _stash().clear()
+        raise DeltafyError(
+            f"site map for {spec['base_model_type']!r} does not fit this model: "
+            f"{str(err).removeprefix('deltafy: ').splitlines()[0]}"
+        ) from None
     finally:
         model.train(was_training)
         for handle in handles:

@@ -288,8 +288,6 @@ def test_forced_beta_stops_gate_gradient():
     assert site.target.bias.grad is not None and site.target.bias.grad.abs() > 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: rms_x = sqrt(|x|^2/d) has an infinite derivative at x = 0, "
-                   "so a zero stream row gives NaN gradients (fix: clamp before the sqrt)")
 @pytest.mark.parametrize("direction", ["sublayer", "learned"])
 def test_zero_stream_row_gives_finite_gradients(direction):
     site = DeltaSite(D, direction=direction)
@@ -301,8 +299,6 @@ def test_zero_stream_row_gives_finite_gradients(direction):
     assert torch.isfinite(x.grad).all()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a position whose stream is exactly zero (Gemma's pad row, "
-                   "no biases) makes every head's gradient NaN through rms_x = sqrt(0)")
 def test_zero_embedding_token_keeps_head_gradients_finite():
     model = tiny_model("gemma")  # pad_token_id = 0: embedding row 0 is zero, and so is its whole stream
     convert(model)
@@ -392,7 +388,8 @@ def test_stash_is_empty_after_a_forward(llama):
     from deltafy.modeling_deltafy import _stash
 
     _logits(llama, torch.randint(0, 128, (1, 5)))
-    assert _stash() == {}
+    ours = {id(site) for _, site in delta_sites(llama)}
+    assert not ours & set(_stash()), "a forward left stream tensors in the stash"
 
 
 def test_deepcopy_is_independent(llama):
@@ -507,7 +504,7 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
     finally:
         handle.remove()
     assert len(calls) == 2, "the layer was not recomputed in backward: checkpointing is not active"
-    assert _stash() == {}, "the recompute left stream tensors behind"
+    assert not {id(s) for _, s in delta_sites(model)} & set(_stash()), "the recompute left stream tensors behind"
 
     assert set(plain) == set(checkpointed) and len(plain) == 4 * 6  # gate (2), target (2), rank-16 direction (2)
     for name, grad in plain.items():

