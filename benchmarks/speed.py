@@ -44,8 +44,14 @@ def prefill(model, ids) -> float:
 @torch.inference_mode()
 def decode(model, prompt, new_tokens: int) -> float:
     start = time.perf_counter()
-    model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, use_cache=True, pad_token_id=0)
+    model.generate(
+        input_ids=prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+    )
     return new_tokens / (time.perf_counter() - start)
 
 
@@ -80,8 +86,11 @@ def main() -> None:
         ids = torch.randint(0, vocab, (4, 256), generator=gen)
         prompt = torch.randint(0, vocab, (1, 32), generator=gen)
         rows = [
-            ("prefill", interleaved(lambda m: prefill(m, ids), original, converted, args.rounds)),
-            ("decode", interleaved(lambda m: decode(m, prompt, args.new_tokens), original, converted, args.rounds)),
+            ("prefill", interleaved(lambda m, ids=ids: prefill(m, ids), original, converted, args.rounds)),
+            (
+                "decode",
+                interleaved(lambda m, p=prompt: decode(m, p, args.new_tokens), original, converted, args.rounds),
+            ),
         ]
         for phase, (o, c, ratio) in rows:
             print(f"{name:10s} {phase:8s} {o:15.1f} {c:16.1f} {ratio:7.3f}", flush=True)

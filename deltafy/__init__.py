@@ -1,9 +1,9 @@
 """deltafy: turn a pretrained Hugging Face decoder into a Deep Delta Learning model.
 
-    import deltafy
-    model = deltafy.convert(model)              # in place; outputs unchanged at init
-    deltafy.save(model, "out", tokenizer=tok)   # self-contained checkpoint folder
-    model = deltafy.load("out")                 # deltafy's own classes, no remote code
+import deltafy
+model = deltafy.convert(model)              # in place; outputs unchanged at init
+deltafy.save(model, "out", tokenizer=tok)   # self-contained checkpoint folder
+model = deltafy.load("out")                 # deltafy's own classes, no remote code
 """
 
 __version__ = "0.1.0"
@@ -15,6 +15,15 @@ from .recipe import Recipe, load_recipe
 from .verify import CheckReport
 
 __all__ = [
-    "convert", "save", "load", "load_tokenizer", "summarize", "head_parameter_groups",
-    "Recipe", "load_recipe", "DeltafyError", "CheckReport", "__version__",
+    "convert",
+    "save",
+    "load",
+    "load_tokenizer",
+    "summarize",
+    "head_parameter_groups",
+    "Recipe",
+    "load_recipe",
+    "DeltafyError",
+    "CheckReport",
+    "__version__",
 ]

@@ -15,8 +15,9 @@ algebra holds for the model at hand, so a wrong entry fails loudly instead of co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .errors import DeltafyError
 
@@ -167,8 +168,24 @@ ARCHITECTURES: dict[str, Architecture] = {
 SUPPORTED = tuple(sorted(ARCHITECTURES))
 
 # Families that are not decoder-only language models get a more helpful message.
-_NOT_DECODERS = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                 "t5", "mt5", "bart", "mbart", "pegasus", "marian", "whisper", "vit", "clip"}
+_NOT_DECODERS = {
+    "bert",
+    "roberta",
+    "distilbert",
+    "albert",
+    "electra",
+    "deberta",
+    "deberta-v2",
+    "t5",
+    "mt5",
+    "bart",
+    "mbart",
+    "pegasus",
+    "marian",
+    "whisper",
+    "vit",
+    "clip",
+}
 
 
 def layout_for(config) -> Layout:

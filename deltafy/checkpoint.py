@@ -103,13 +103,19 @@ def _atomic_dir(out: Path, overwrite: bool):
 
 def _model_card(config: dict, spec: dict, provenance: dict, check: dict | None) -> str:
     base = provenance.get("source") if provenance.get("kind") == "hub" else None
-    front = {"library_name": "transformers", "pipeline_tag": "text-generation",
-             "tags": ["deltafy", "deep-delta-learning", spec["base_model_type"]]}
+    front = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["deltafy", "deep-delta-learning", spec["base_model_type"]],
+    }
     if base:
         front["base_model"] = base
     recipe = spec["recipe"]
     lines = [
-        "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
         f"# {Path(provenance.get('source', 'model')).name} + Deep Delta Learning",
         "",
         f"A `{spec['base_model_type']}` model converted by [deltafy](https://pypi.org/project/deltafy/): "
@@ -125,53 +131,70 @@ def _model_card(config: dict, spec: dict, provenance: dict, check: dict | None) 
         "## Conversion",
         "",
         f"- recipe: `{recipe['name']}` (direction `{spec['direction']}`"
-        + (f", rank {spec['rank']}" if spec.get("rank") else "") + ")",
+        + (f", rank {spec['rank']}" if spec.get("rank") else "")
+        + ")",
         f"- layout: {spec['layout']}; sites per layer: {', '.join(s['name'] for s in spec['sites'])}",
         f"- initial gate logit {spec['gate_bias']} (β = {2 / (1 + __import__('math').exp(-spec['gate_bias'])):.2e})",
     ]
     if check:
+        same = "identical" if check["greedy_identical"] else "DIFFERENT"
         lines += [
             "",
             "## Init equivalence (measured at conversion, fp32)",
             "",
             "| check | result |",
             "|---|---|",
-            f"| max abs Δlogits vs original, default init | {check['max_abs_dlogits']:.2e} (tolerance {check['tolerance']:.0e}) |",
+            f"| max abs Δlogits vs original, default init | {check['max_abs_dlogits']:.2e} "
+            f"(tolerance {check['tolerance']:.0e}) |",
             f"| logits with β = 0 bitwise identical | {'yes' if check['beta_zero_bitwise'] else 'NO'} |",
-            f"| greedy generation, {check['greedy_tokens']} tokens with KV cache | {'identical' if check['greedy_identical'] else 'DIFFERENT'} |",
+            f"| greedy generation, {check['greedy_tokens']} tokens with KV cache | {same} |",
         ]
     lines += ["", "## Provenance", "", "```json", json.dumps(provenance, indent=2), "```", ""]
     return "\n".join(lines)
 
 
-def save(model, out: str | Path, tokenizer=None, provenance: dict | None = None, check: dict | None = None,
-         overwrite: bool = False, max_shard_size: str | int = "2GB") -> Path:
+def save(
+    model,
+    out: str | Path,
+    tokenizer=None,
+    provenance: dict | None = None,
+    check: dict | None = None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+) -> Path:
     """Write a converted ``model`` as a self-contained checkpoint folder at ``out`` (atomically)."""
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
     out = Path(out).expanduser()
     # A loaded checkpoint keeps where it came from when it is saved again.
-    provenance = {**spec.get("provenance", {}), **(provenance or {}), "versions": _versions(),
-                  "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    provenance = {
+        **spec.get("provenance", {}),
+        **(provenance or {}),
+        "versions": _versions(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     base_config_class = _base_config_class(model.config)
     base_model_class = _base_model_class(model)
     with _atomic_dir(out, overwrite) as tmp:
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
         # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
         # nothing maps back when the checkpoint is loaded as a deltafy class.
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True,
-                              save_original_format=False)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False)
         config = json.loads((tmp / "config.json").read_text())
         for key in ("auto_map", "deltafy"):
             config.pop(key, None)
-        config.update({
-            "model_type": "deltafy",
-            "architectures": ["DeltafyForCausalLM"],
-            "auto_map": {"AutoConfig": "modeling_deltafy.DeltafyConfig",
-                         "AutoModelForCausalLM": "modeling_deltafy.DeltafyForCausalLM"},
-            "deltafy": {**spec, "base_architecture": base_model_class.__name__, "provenance": provenance},
-        })
+        config.update(
+            {
+                "model_type": "deltafy",
+                "architectures": ["DeltafyForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "modeling_deltafy.DeltafyConfig",
+                    "AutoModelForCausalLM": "modeling_deltafy.DeltafyForCausalLM",
+                },
+                "deltafy": {**spec, "base_architecture": base_model_class.__name__, "provenance": provenance},
+            }
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class))
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(spec["recipe"], sort_keys=False))
@@ -206,13 +229,14 @@ def read_config(path: str | Path) -> dict:
         raise DeltafyError(f"{path} is not a deltafy checkpoint; convert it first with `deltafy convert`")
     version = config["deltafy"].get("format_version")
     if version != modeling_deltafy.DELTAFY_FORMAT_VERSION:
-        raise DeltafyError(f"{path} uses deltafy checkpoint format {version}; this deltafy reads format "
-                           f"{modeling_deltafy.DELTAFY_FORMAT_VERSION}")
+        raise DeltafyError(
+            f"{path} uses deltafy checkpoint format {version}; this deltafy reads format "
+            f"{modeling_deltafy.DELTAFY_FORMAT_VERSION}"
+        )
     return config
 
 
-def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-         **kwargs):
+def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, **kwargs):
     """Load a deltafy checkpoint with deltafy's own classes (no code from the folder is executed)."""
     import transformers
     from transformers import CONFIG_MAPPING
@@ -223,15 +247,18 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
         base_config_class = CONFIG_MAPPING[spec["base_model_type"]]
         base_model_class = getattr(transformers, spec["base_architecture"])
     except (KeyError, AttributeError):
-        raise DeltafyError(f"{path} needs a transformers that has {spec.get('base_architecture')}; "
-                           f"upgrade transformers") from None
+        raise DeltafyError(
+            f"{path} needs a transformers that has {spec.get('base_architecture')}; upgrade transformers"
+        ) from None
     config_class, model_class = modeling_deltafy.deltafy_classes(base_config_class, base_model_class)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
     try:
         model = model_class.from_pretrained(
-            str(Path(path).expanduser()), config=config_class.from_pretrained(str(Path(path).expanduser())),
-            dtype=dtype if dtype is not None else "auto", **kwargs
+            str(Path(path).expanduser()),
+            config=config_class.from_pretrained(str(Path(path).expanduser())),
+            dtype=dtype if dtype is not None else "auto",
+            **kwargs,
         )
     except DeltafyError:
         raise

@@ -202,8 +202,7 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
                 write = layer.get_submodule(site["write"])
             except AttributeError as err:
                 raise ValueError(
-                    f"deltafy: site {site['name']!r} names a module that "
-                    f"{type(layer).__name__} does not have ({err})"
+                    f"deltafy: site {site['name']!r} names a module that {type(layer).__name__} does not have ({err})"
                 ) from None
             plan.append((layer, site, stream, write))
     handles = []
@@ -246,8 +245,10 @@ def mean_betas(model: nn.Module, run) -> dict[str, float]:
         site.beta_log = []
     try:
         run()
-        return {name: float(torch.stack(site.beta_log).mean()) if site.beta_log else float("nan")
-                for name, site in sites.items()}
+        return {
+            name: float(torch.stack(site.beta_log).mean()) if site.beta_log else float("nan")
+            for name, site in sites.items()
+        }
     finally:
         for site in sites.values():
             site.beta_log = None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -42,8 +42,12 @@ def plan_for(model: torch.nn.Module) -> Plan:
     spec = model.config.deltafy
     summary = summarize(model)
     return Plan(
-        model_type=spec["base_model_type"], layout=spec["layout"], layers=summary.layers,
-        sites=spec["sites"], params_base=summary.params_base, params_added=summary.params_added,
+        model_type=spec["base_model_type"],
+        layout=spec["layout"],
+        layers=summary.layers,
+        sites=spec["sites"],
+        params_base=summary.params_base,
+        params_added=summary.params_added,
         recipe=Recipe.model_validate(spec["recipe"]),
     )
 
@@ -116,6 +120,12 @@ def convert_source(
                 f"nothing was written (try a more negative gate_bias in the recipe)"
             )
     status(f"writing {out}")
-    save(model, out, tokenizer=loaded.tokenizer, provenance=loaded.provenance,
-         check=check.to_dict() if check else None, overwrite=overwrite)
+    save(
+        model,
+        out,
+        tokenizer=loaded.tokenizer,
+        provenance=loaded.provenance,
+        check=check.to_dict() if check else None,
+        overwrite=overwrite,
+    )
     return ConversionResult(plan=plan_for(model), check=check, out=out, provenance=loaded.provenance)

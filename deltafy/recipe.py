@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from .errors import DeltafyError
 
@@ -60,7 +68,7 @@ class Recipe(BaseModel):
     training: TrainingDefaults = Field(default_factory=TrainingDefaults)
 
     @model_validator(mode="after")
-    def _check(self) -> "Recipe":
+    def _check(self) -> Recipe:
         if self.rank is not None and self.direction != "learned":
             raise ValueError("rank applies only to direction: learned")
         if len(set(self.sites)) != len(self.sites):
@@ -110,9 +118,7 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     bundled = bundled_recipes()
     path = bundled.get(key, Path(key))
     if not path.is_file():
-        raise DeltafyError(
-            f"no recipe named {key!r}; use one of {', '.join(bundled)} or a path to a YAML file"
-        )
+        raise DeltafyError(f"no recipe named {key!r}; use one of {', '.join(bundled)} or a path to a YAML file")
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:

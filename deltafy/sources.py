@@ -226,7 +226,9 @@ def load_source(source: str, dtype: str = "auto") -> Source:
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise DeltafyError(f"{source} is a file but not a .gguf model; pass a model folder, a .gguf file or a Hub id")
+            raise DeltafyError(
+                f"{source} is a file but not a .gguf model; pass a model folder, a .gguf file or a Hub id"
+            )
         return load_gguf(path, dtype)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -236,8 +238,11 @@ def load_source(source: str, dtype: str = "auto") -> Source:
             )
         refuse_deltafy_folder(path, source)
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
-        loaded.provenance = {"kind": "local", "source": str(path.resolve()),
-                             "config_sha256": sha256_file(path / "config.json")}
+        loaded.provenance = {
+            "kind": "local",
+            "source": str(path.resolve()),
+            "config_sha256": sha256_file(path / "config.json"),
+        }
         return loaded
     if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")

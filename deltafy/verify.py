@@ -63,7 +63,7 @@ def forced_beta(model: nn.Module, value: float | None):
     try:
         yield
     finally:
-        for (_, site), old in zip(delta_sites(model), previous):
+        for (_, site), old in zip(delta_sites(model), previous, strict=True):
             site.force_beta = old
 
 

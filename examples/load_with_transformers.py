@@ -1,6 +1,6 @@
 """Use a converted checkpoint with nothing but torch and transformers installed.
 
-    python examples/load_with_transformers.py ./smol-delta "To be, or not to be"
+python examples/load_with_transformers.py ./smol-delta "To be, or not to be"
 """
 
 import sys

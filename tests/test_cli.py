@@ -262,11 +262,18 @@ def test_unsupported_architecture_says_encoder(bad_runs):
     assert "encoder" in runs["unsupported"].stderr
 
 
-def test_usage_error_exit_code_without_traceback(tmp_path, src):
-    proc = cli("convert", src, "--out", tmp_path / "out", "--dtype", "float64", cwd=tmp_path)
-    assert proc.returncode == 2
+@pytest.mark.parametrize("args,needle", [
+    (["convert", "SRC", "--out", "OUT", "--dtype", "float64"], "Invalid value for '--dtype'"),
+    (["convert", "SRC", "--out", "OUT", "--no-such-option"], "No such option"),
+    (["no-such-command"], "No such command"),
+])
+def test_usage_errors_exit_2_with_usage_hint(tmp_path, src, args, needle):
+    args = [src if a == "SRC" else tmp_path / "out" if a == "OUT" else a for a in args]
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert "float64" in proc.stderr
+    assert needle in proc.stderr and "Usage: deltafy" in proc.stderr
+    assert "rerun with --debug" not in proc.stderr  # click's own usage errors, not an unexplained crash
     assert list(tmp_path.iterdir()) == []
 
 

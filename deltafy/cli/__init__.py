@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         if state.debug:
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {first} (rerun with --debug for details)",
-                          highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {type(err).__name__}: {first} (rerun with --debug for details)",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)
 
 

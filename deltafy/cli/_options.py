@@ -20,6 +20,4 @@ RecipeOpt = Annotated[
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Precision to load and save the model in.")]
-OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace --out if it already holds files.")
-]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it already holds files.")]

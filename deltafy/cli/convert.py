@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -16,10 +16,13 @@ from ._options import DType, DTypeOpt, OverwriteOpt, RecipeOpt
 def _print_plan(plan: Plan) -> None:
     table = Table("site", "writes (module)", "reads stream at", "context", "scale", box=None)
     for site in plan.sites:
-        table.add_row(site["name"], site["write"], site.get("stream") or "(layer input)",
-                      site["context"], f"{site['scale']:g}")
-    console.print(f"[bold]{plan.model_type}[/] · {plan.layout} · {plan.layers} layers · "
-                  f"recipe [bold]{plan.recipe.name}[/] (direction {plan.recipe.direction})")
+        table.add_row(
+            site["name"], site["write"], site.get("stream") or "(layer input)", site["context"], f"{site['scale']:g}"
+        )
+    console.print(
+        f"[bold]{plan.model_type}[/] · {plan.layout} · {plan.layers} layers · "
+        f"recipe [bold]{plan.recipe.name}[/] (direction {plan.recipe.direction})"
+    )
     console.print(table)
     share = 100 * plan.params_added / max(plan.params_base, 1)
     console.print(f"parameters: {plan.params_base:,} base + {plan.params_added:,} DDL heads ({share:.3f}%)")
@@ -27,14 +30,20 @@ def _print_plan(plan: Plan) -> None:
 
 def convert_command(
     source: Annotated[str, typer.Argument(help="Hub id (gpt2), local HF folder, .gguf file, or smollm2-135m.")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder to write the converted checkpoint to.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Folder to write the converted checkpoint to.")
+    ] = None,
     recipe: RecipeOpt = DEFAULT_RECIPE,
     dtype: DTypeOpt = DType.auto,
     overwrite: OverwriteOpt = False,
-    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the self-check against the original model.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.")] = False,
+    no_verify: Annotated[
+        bool, typer.Option("--no-verify", help="Skip the self-check against the original model.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.")
+    ] = False,
     tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| the self-check accepts at init.")] = 1e-3,
-    device: Annotated[Optional[str], typer.Option(help="Device for conversion and self-check, e.g. cuda.")] = None,
+    device: Annotated[str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.")] = None,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
 
@@ -53,8 +62,15 @@ def convert_command(
         raise DeltafyError("missing --out DIR (or pass --dry-run to only show the plan)")
     with err_console.status("") as spinner:
         result = convert_source(
-            source, out, recipe=recipe, dtype=dtype.value, verify=not no_verify, overwrite=overwrite,
-            tolerance=tolerance, device=device, status=lambda message: spinner.update(message + " …"),
+            source,
+            out,
+            recipe=recipe,
+            dtype=dtype.value,
+            verify=not no_verify,
+            overwrite=overwrite,
+            tolerance=tolerance,
+            device=device,
+            status=lambda message: spinner.update(message + " …"),
         )
     _print_plan(result.plan)
     if result.check is not None:
@@ -65,5 +81,7 @@ def convert_command(
         )
     else:
         console.print("[yellow]self-check skipped (--no-verify)[/]")
-    console.print(f"wrote [bold]{result.out}[/]  load it with "
-                  f"AutoModelForCausalLM.from_pretrained('{result.out}', trust_remote_code=True)")
+    console.print(
+        f"wrote [bold]{result.out}[/]  load it with "
+        f"AutoModelForCausalLM.from_pretrained('{result.out}', trust_remote_code=True)"
+    )

@@ -31,8 +31,10 @@ def inspect_command(
     model = load(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
-    console.print(f"[bold]{model_dir}[/]: {spec['base_model_type']} ({spec['base_architecture']}), "
-                  f"{spec['layout']}, recipe {spec['recipe']['name']}, direction {spec['direction']}")
+    console.print(
+        f"[bold]{model_dir}[/]: {spec['base_model_type']} ({spec['base_architecture']}), "
+        f"{spec['layout']}, recipe {spec['recipe']['name']}, direction {spec['direction']}"
+    )
     betas = _mean_betas(model, tokenizer)
     table = Table("layer", *[f"β {s['name']}" for s in spec["sites"]], box=None)
     layers = model.get_submodule(spec["layers"])
