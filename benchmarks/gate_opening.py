@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-blocks", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gate-lr-scales", default=None, help="comma list; default: the recipe's")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
 
@@ -99,9 +100,13 @@ def main() -> None:
         f"({len(held_data)}x{args.seq_len} tokens of {', '.join(HELD_OUT)})"
     )
 
+    scales = [float(x) for x in args.gate_lr_scales.split(",")] if args.gate_lr_scales else []
+    settings = ["uniform"] + ([f"grouped x{s:g}" for s in scales] or ["grouped"])
     results = []
-    for name in ("uniform", "grouped"):
+    for name in settings:
         model = copy.deepcopy(base)
+        if name.startswith("grouped x"):
+            recipe.training.gate_lr_scale = float(name.removeprefix("grouped x"))
         groups = deltafy.head_parameter_groups(model, recipe)
         if name == "uniform":
             groups = [{"params": [p for g in groups for p in g["params"]], "lr": recipe.training.lr}]
@@ -118,9 +123,9 @@ def main() -> None:
         )
         del model
 
-    print("\nsetting   held-out loss (before -> after)   delta nats   mean beta   s/step")
+    print("\nsetting      held-out loss (before -> after)   delta nats   mean beta   s/step")
     for name, after, mean_beta, sec in results:
-        print(f"{name:9s} {before:.4f} -> {after:.4f}{'':15s} {after - before:+.4f}     {mean_beta:9.3g}   {sec:.2f}")
+        print(f"{name:12s} {before:.4f} -> {after:.4f}{'':15s} {after - before:+.4f}     {mean_beta:9.3g}   {sec:.2f}")
     print(
         f"({args.steps} steps of {args.batch}x{args.seq_len} tokens, AdamW, seed {args.seed}; "
         f"ppl at init {math.exp(before):.2f})"

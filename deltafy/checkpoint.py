@@ -21,6 +21,8 @@ import yaml
 
 from . import modeling_deltafy
 from .errors import DeltafyError
+from .recipe import Recipe
+from .sources import _quiet_transformers, _restore_transformers
 
 MODELING_FILE = "modeling_deltafy.py"
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
@@ -65,8 +67,9 @@ def _os_errno(err: BaseException) -> int | None:
 
 
 @contextmanager
-def _atomic_dir(out: Path, overwrite: bool):
-    """Yield a temporary sibling folder; on success it replaces ``out``, on any failure it is removed."""
+def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
+    """Yield a temporary sibling folder; on success it replaces ``out`` (or, with ``merge``, its
+    files move into ``out``); on any failure it is removed."""
     check_output_dir(out, overwrite)
     tmp = out.parent / f".{out.name}.deltafy-partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -79,6 +82,9 @@ def _atomic_dir(out: Path, overwrite: bool):
         previous = None
     try:
         yield tmp
+        if merge and out.is_dir():
+            _move_into(tmp, out)
+            return
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.deltafy-old-{os.getpid()}"
@@ -99,6 +105,19 @@ def _atomic_dir(out: Path, overwrite: bool):
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _move_into(src: Path, dest: Path) -> None:
+    (dest / "config.json").unlink(missing_ok=True)
+    for stale in list(dest.glob("model*.safetensors")) + list(dest.glob("model*.safetensors.index.json")):
+        stale.unlink()
+    entries = sorted(src.iterdir(), key=lambda p: p.name == "config.json")  # config.json last
+    for entry in entries:
+        target = dest / entry.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    src.rmdir()
 
 
 def _model_card(config: dict, spec: dict, provenance: dict, check: dict | None) -> str:
@@ -161,8 +180,14 @@ def save(
     check: dict | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "2GB",
+    into: bool = False,
 ) -> Path:
-    """Write a converted ``model`` as a self-contained checkpoint folder at ``out`` (atomically)."""
+    """Write a converted ``model`` as a self-contained checkpoint folder at ``out`` (atomically).
+
+    ``into=True`` writes the model files into an existing folder and keeps everything else there
+    (a training run's state and metrics); ``config.json`` is removed first and moved in last, so
+    the folder only looks like a model once every other file is in place.
+    """
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
@@ -176,11 +201,17 @@ def save(
     }
     base_config_class = _base_config_class(model.config)
     base_model_class = _base_model_class(model)
-    with _atomic_dir(out, overwrite) as tmp:
+    with _atomic_dir(out, overwrite or into, merge=into) as tmp:
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
         # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
         # nothing maps back when the checkpoint is loaded as a deltafy class.
-        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False)
+        previous = _quiet_transformers()  # no "Writing model shards" bar on the CLI's stderr
+        try:
+            model.save_pretrained(
+                tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False
+            )
+        finally:
+            _restore_transformers(previous)
         config = json.loads((tmp / "config.json").read_text())
         for key in ("auto_map", "deltafy"):
             config.pop(key, None)
@@ -197,7 +228,7 @@ def save(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class))
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(spec["recipe"], sort_keys=False))
+        (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(_model_card(config, spec, provenance, check))
@@ -254,16 +285,23 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
     try:
-        model = model_class.from_pretrained(
+        model, info = model_class.from_pretrained(
             str(Path(path).expanduser()),
             config=config_class.from_pretrained(str(Path(path).expanduser())),
             dtype=dtype if dtype is not None else "auto",
+            output_loading_info=True,
             **kwargs,
         )
     except DeltafyError:
         raise
     except Exception as err:
         raise DeltafyError(f"could not load {path}: {str(err).splitlines()[0]}") from None
+    missing = list(info.get("missing_keys", ()))
+    if missing:  # transformers would have filled them with random values
+        raise DeltafyError(
+            f"{path} is incomplete: {len(missing)} tensors missing (e.g. {missing[0]}); the weights may be "
+            f"truncated or from another model"
+        )
     if device is not None:
         model.to(device)
     return model.eval()

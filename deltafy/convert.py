@@ -82,7 +82,7 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     """AdamW parameter groups for the DDL heads: gates at ``lr * gate_lr_scale``, the rest at ``lr``.
 
     Adam moves each parameter by about its learning rate per step whatever the gradient's size,
-    so the gate logit (initialized at -16) needs a larger step to open in a few dozen steps.
+    so the gate logit (initialized at -18) needs a larger step to open in a few dozen steps.
     """
     if recipe is None:
         recipe = Recipe.model_validate(model.config.deltafy["recipe"])
@@ -92,7 +92,9 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
         gates += list(site.gate.parameters())
         others += [p for n, p in site.named_parameters() if not n.startswith("gate.")]
     return [
-        {"params": gates, "lr": t.lr * t.gate_lr_scale, "weight_decay": 0.0, "name": "gate"},
+        # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of
+        # 1e-8, which would silently shrink its steps a hundredfold; a tiny eps keeps them lr-sized.
+        {"params": gates, "lr": t.lr * t.gate_lr_scale, "weight_decay": 0.0, "eps": 1e-20, "name": "gate"},
         {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
     ]
 

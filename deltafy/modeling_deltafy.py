@@ -9,7 +9,7 @@
 #
 # k: unit direction, either the sublayer's own write (k = h / ||h||) or a learned head on c;
 # v: scalar target for the readout k^T x, in units of the stream's RMS;
-# beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, RMS-normalized.
+# beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, normalized to unit length.
 # The gate bias starts very negative, so a fresh conversion behaves like the original model.
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class DeltaSite(nn.Module):
         hidden_size: int,
         direction: str = "sublayer",
         rank: int | None = None,
-        gate_bias: float = -16.0,
+        gate_bias: float = -18.0,
         eps: float = 1e-6,
         scale: float = 1.0,
         context: str = "output",
@@ -145,9 +145,11 @@ class DeltaSite(nn.Module):
         inv_d = 1.0 / x.shape[-1]
         weight = torch.cat((self.gate.weight, self.target.weight)).float()
         bias = torch.cat((self.gate.bias, self.target.bias)).float()
-        # Both scalar heads in one matmul; scaling by 1/rms(c) afterwards normalizes c for free.
-        inv_rms_c = torch.rsqrt(torch.linalg.vecdot(c, c) * inv_d + 1e-6)
-        g, v = torch.addcmul(bias, F.linear(c, weight), inv_rms_c.unsqueeze(-1)).unbind(-1)
+        # The heads read the unit-length context c/|c|: an Adam step of size lr on every weight then
+        # moves a head's output by at most lr*sqrt(d), whatever the model's width or norm gains.
+        # Both heads run as one matmul, and dividing by |c| afterwards normalizes c for free.
+        inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c) + 1e-6)
+        g, v = torch.addcmul(bias, F.linear(c, weight), inv_norm_c.unsqueeze(-1)).unbind(-1)
         if self.force_beta is None:
             beta = torch.sigmoid(g) * 2.0
         else:
@@ -165,7 +167,7 @@ class DeltaSite(nn.Module):
             gain = beta * torch.addcdiv(v, torch.linalg.vecdot(h, x), n, value=-m) / n
             out = torch.addcmul(h, h, gain.unsqueeze(-1))
         else:
-            kr = self.direction(c * inv_rms_c.unsqueeze(-1))
+            kr = self.direction(c * inv_norm_c.unsqueeze(-1))
             k = kr * torch.rsqrt(torch.linalg.vecdot(kr, kr) + self.eps**2).unsqueeze(-1)
             coef = beta * (v - torch.linalg.vecdot(k, x))
             out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
@@ -211,7 +213,7 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
             hidden_size=spec["hidden_size"],
             direction=spec.get("direction", "sublayer"),
             rank=spec.get("rank"),
-            gate_bias=spec.get("gate_bias", -16.0),
+            gate_bias=spec.get("gate_bias", -18.0),
             eps=spec.get("eps", 1e-6),
             scale=site.get("scale", 1.0),
             context=site.get("context", "output"),

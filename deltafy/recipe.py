@@ -27,7 +27,10 @@ DEFAULT_RECIPE = "ddl-scalar"
 
 
 class TrainingDefaults(BaseModel):
-    """Optimizer settings that make the converted heads trainable (see README, "Gates that open")."""
+    """Every ``deltafy train`` setting; the CLI's flags override a recipe's ``training`` section.
+
+    The gate's own learning rate is what makes converted heads trainable (README, "Gates that open").
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,9 +38,30 @@ class TrainingDefaults(BaseModel):
     gate_lr_scale: PositiveFloat = Field(
         100.0,
         description="the gate's learning rate is lr * gate_lr_scale: Adam moves a parameter about "
-        "lr per step, and a gate initialized at a logit of -16 must travel ~10 logits to open",
+        "lr per step, and a gate initialized at a logit of -18 must travel ~10 logits to open",
     )
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay on the heads")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    steps: PositiveInt | None = Field(None, description="optimizer steps (default 200 unless tokens is set)")
+    tokens: PositiveInt | None = Field(None, description="token budget; sets the number of steps")
+    seq_len: PositiveInt = Field(256, description="tokens per training block")
+    batch_size: PositiveInt = Field(8, description="blocks per device per micro-step")
+    grad_accum: PositiveInt = Field(1, description="micro-steps per optimizer step")
+    lora_lr: PositiveFloat = Field(2e-4, description="learning rate of LoRA adapters and of train: all")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
+    train: Literal["heads", "heads+lora", "lora", "all"] = Field("heads", description="what trains")
+    lora_r: PositiveInt = 8
+    lora_alpha: PositiveFloat = 16.0
+    lora_targets: list[str] | None = Field(None, description="LoRA module names (default: peft's per family)")
+    merge_lora: bool = Field(True, description="merge adapters into the saved weights")
+    held_out: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of blocks held out without eval data")
+    eval_every: PositiveInt = 50
+    save_every: PositiveInt = 100
+    max_eval_blocks: PositiveInt = 64
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    gradient_checkpointing: bool = False
+    text_field: str = "text"
 
 
 class Recipe(BaseModel):
@@ -58,11 +82,11 @@ class Recipe(BaseModel):
         default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"
     )
     gate_bias: float = Field(
-        -16.0,
+        -18.0,
         le=-4.0,
         ge=-60.0,
-        description="initial gate logit; beta = 2*sigmoid(-16) = 2.3e-7 keeps the model unchanged "
-        "even where residual norms reach 1e4",
+        description="initial gate logit; beta = 2*sigmoid(-18) = 3e-8 keeps the model unchanged "
+        "even where residual norms reach 2e4 (SmolLM2)",
     )
     eps: PositiveFloat = Field(1e-6, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
     training: TrainingDefaults = Field(default_factory=TrainingDefaults)

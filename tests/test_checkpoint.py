@@ -31,15 +31,28 @@ from deltafy.checkpoint import MODELING_FILE
 from deltafy.modeling_deltafy import delta_sites
 from deltafy.pipeline import convert_source
 
-SOURCE_CASES = ["llama-tied", "llama-untied", "gpt2", "gemma2", "opt-post-ln", "falcon-new-2ln", "granite",
-                "gpt_neox-parallel"]
+SOURCE_CASES = [
+    "llama-tied",
+    "llama-untied",
+    "gpt2",
+    "gemma2",
+    "opt-post-ln",
+    "falcon-new-2ln",
+    "granite",
+    "gpt_neox-parallel",
+]
 # (case, recipe) converted in memory with heads that really change the outputs before saving.
-NONTRIVIAL_CASES = [("llama-untied", "ddl-scalar"), ("gpt2", "ddl-learned"), ("opt-post-ln", "ddl-scalar"),
-                    ("falcon-new-2ln", "ddl-learned"), ("granite", "ddl-learned")]
+NONTRIVIAL_CASES = [
+    ("llama-untied", "ddl-scalar"),
+    ("gpt2", "ddl-learned"),
+    ("opt-post-ln", "ddl-scalar"),
+    ("falcon-new-2ln", "ddl-learned"),
+    ("granite", "ddl-learned"),
+]
 NEW_TOKENS = 16
 
 # Runs in `python -I`: no cwd on sys.path, no PYTHON* variables, and deltafy made unimportable.
-CHILD = r'''
+CHILD = r"""
 import sys
 sys.modules["deltafy"] = None
 try:
@@ -86,7 +99,7 @@ for job in jobs:
         results[job["key"]] = {"error": traceback.format_exc()}
 loaded = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "deltafy" and mod is not None)
 torch.save({"results": results, "deltafy_modules": loaded}, result_file)
-'''
+"""
 
 
 def child_env(tmp: Path) -> dict:
@@ -100,7 +113,12 @@ def run_child(jobs: list[dict], cwd: Path) -> dict:
     result_file = cwd / "child-results.pt"
     proc = subprocess.run(
         [sys.executable, "-I", "-c", CHILD, json.dumps(jobs), str(result_file)],
-        cwd=cwd, env=child_env(cwd), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900,
+        cwd=cwd,
+        env=child_env(cwd),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = torch.load(result_file, weights_only=True)
@@ -112,8 +130,9 @@ def run_child(jobs: list[dict], cwd: Path) -> dict:
 def run_model(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     model.eval()
     logits = model(input_ids=ids).logits.float()
-    generated = model.generate(input_ids=ids[:1], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               do_sample=False, pad_token_id=0)
+    generated = model.generate(
+        input_ids=ids[:1], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
     return logits, generated
 
 
@@ -167,8 +186,9 @@ def tiny_tokenizer():
     ).split()
     backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token="</s>", bos_token="<s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
 
 
 # -- deltafy-free reload with trust_remote_code ----------------------------------------------------
@@ -356,7 +376,7 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     text = (out / MODELING_FILE).read_text()
     core = Path(deltafy.modeling_deltafy.__file__).read_text()
     assert text.startswith(core)
-    generated = text[len(core):]
+    generated = text[len(core) :]
     assert "from transformers import Gemma2Config, Gemma2ForCausalLM" in generated
     assert "DeltafyConfig, DeltafyForCausalLM = deltafy_classes(Gemma2Config, Gemma2ForCausalLM)" in generated
     imported = set()
@@ -371,8 +391,10 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deltafy"
     assert config["architectures"] == ["DeltafyForCausalLM"]
-    assert config["auto_map"] == {"AutoConfig": "modeling_deltafy.DeltafyConfig",
-                                  "AutoModelForCausalLM": "modeling_deltafy.DeltafyForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoConfig": "modeling_deltafy.DeltafyConfig",
+        "AutoModelForCausalLM": "modeling_deltafy.DeltafyForCausalLM",
+    }
     assert config["deltafy"]["base_model_type"] == "gemma2"
     assert config["deltafy"]["base_architecture"] == "Gemma2ForCausalLM"
     assert config["deltafy"]["format_version"] == deltafy.modeling_deltafy.DELTAFY_FORMAT_VERSION
@@ -400,8 +422,10 @@ def test_tokenizer_and_generation_config_carried_over(converted_with_tokenizer):
     src, out, _ = converted_with_tokenizer
     assert (out / "tokenizer.json").is_file()
     text = "the capital of France is"
-    assert AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == \
-        AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(str(out))(text)["input_ids"]
+        == AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]
+    )
     gen = GenerationConfig.from_pretrained(str(out))
     assert gen.repetition_penalty == 1.25
     assert gen.eos_token_id == 2
@@ -432,8 +456,11 @@ def test_model_card_recipe_and_provenance(converted_with_tokenizer):
     assert prov["kind"] == "local"
     assert prov["source"] == str(src.resolve())
     assert prov["config_sha256"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
-    assert prov["versions"] == {"deltafy": deltafy.__version__, "transformers": transformers.__version__,
-                                "torch": torch.__version__}
+    assert prov["versions"] == {
+        "deltafy": deltafy.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
     created = dt.datetime.fromisoformat(prov["created"])
     assert abs((dt.datetime.now(dt.timezone.utc) - created).total_seconds()) < 3600
     # The card's provenance block is the config's.
@@ -509,8 +536,12 @@ def test_failed_overwrite_keeps_the_old_folder(tmp_path, small_converted):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(deltafy.DeltafyError):
-        deltafy.save(small_converted, out, overwrite=True,
-                     tokenizer=FailingTokenizer(OSError(errno.ENOSPC, "No space left on device")))
+        deltafy.save(
+            small_converted,
+            out,
+            overwrite=True,
+            tokenizer=FailingTokenizer(OSError(errno.ENOSPC, "No space left on device")),
+        )
     assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     no_partial_left(tmp_path)
     # Without --overwrite an occupied folder is refused before anything is written.
@@ -535,6 +566,7 @@ def test_sigterm_during_save_unwinds_and_cleans_up(tmp_path, small_converted):
 
     previous = signal.signal(signal.SIGTERM, ours)
     try:
+
         def terminate():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(200):  # the handler runs at the next bytecode boundary

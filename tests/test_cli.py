@@ -32,8 +32,14 @@ def cli_env(extra: dict | None = None) -> dict:
 
 def cli(*args, cwd: Path, env: dict | None = None, preexec_fn=None, timeout: int = 600):
     return subprocess.run(
-        [sys.executable, "-m", "deltafy", *map(str, args)], cwd=cwd, env=cli_env(env), capture_output=True,
-        text=True, stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=preexec_fn,
+        [sys.executable, "-m", "deltafy", *map(str, args)],
+        cwd=cwd,
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -71,8 +77,9 @@ def tiny_tokenizer():
     words = ["<unk>", "<pad>", "</s>", "<s>"] + "the capital of france is once upon a time deep learning".split()
     backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token="</s>", bos_token="<s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +106,16 @@ def test_convert_local_folder(converted):
     assert "self-check passed" in proc.stdout
     assert "wrote" in proc.stdout and "trust_remote_code=True" in proc.stdout
     out = root / "out"
-    for name in ("config.json", "model.safetensors", "modeling_deltafy.py", "README.md", "recipe.yaml",
-                 "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "modeling_deltafy.py",
+        "README.md",
+        "recipe.yaml",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (out / name).is_file(), name
     assert partial_leftovers(root) == []
     assert sorted(p.name for p in root.iterdir()) == ["out"]
@@ -141,8 +156,16 @@ def test_dry_run_prints_sites_and_writes_nothing(tmp_path, src):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "llama" in out and "2 layers" in out and "ddl-scalar" in out
-    for needle in ("site", "attn", "mlp", "self_attn", "input_layernorm", "post_attention_layernorm",
-                   "DDL heads", "dry run: nothing was written"):
+    for needle in (
+        "site",
+        "attn",
+        "mlp",
+        "self_attn",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "DDL heads",
+        "dry run: nothing was written",
+    ):
         assert needle in out, needle
     assert list(tmp_path.iterdir()) == []
     assert sorted(p.name for p in src.iterdir()) == before
@@ -162,8 +185,9 @@ def test_help_and_recipes(tmp_path):
     assert "ddl-scalar" in proc.stdout and "ddl-learned" in proc.stdout and "(default)" in proc.stdout
     script = Path(sys.executable).parent / "deltafy"
     if script.is_file():  # the installed console script
-        run = subprocess.run([str(script), "recipes"], cwd=tmp_path, env=cli_env(), capture_output=True,
-                             text=True, timeout=300)
+        run = subprocess.run(
+            [str(script), "recipes"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+        )
         assert run.returncode == 0, run.stderr
         assert "ddl-scalar" in run.stdout
     assert list(tmp_path.iterdir()) == []
@@ -178,8 +202,9 @@ def _bad_inputs(root: Path, src: Path) -> dict[str, tuple[list, tuple[str, ...]]
     (root / "no-config" / "model.safetensors").write_bytes(b"")
 
     torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                         vocab_size=100)).save_pretrained(root / "bert")
+    BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    ).save_pretrained(root / "bert")
 
     def copy(name):
         import shutil
@@ -209,10 +234,14 @@ def _bad_inputs(root: Path, src: Path) -> dict[str, tuple[list, tuple[str, ...]]
         "corrupt-weights": ([root / "corrupt", *out("corrupt-weights")], ("could not load the weights",)),
         "truncated-weights": ([root / "truncated", *out("truncated-weights")], ("could not load the weights",)),
         "bad-json": ([root / "bad-json", *out("bad-json")], ("could not read the config",)),
-        "unknown-recipe": ([src, *out("unknown-recipe"), "--recipe", "no-such-recipe"],
-                           ("no recipe named 'no-such-recipe'", "ddl-scalar", "ddl-learned")),
-        "recipe-unknown-key": ([src, *out("recipe-unknown-key"), "--recipe", root / "unknown-key.yaml"],
-                               ("foo", "unknown key")),
+        "unknown-recipe": (
+            [src, *out("unknown-recipe"), "--recipe", "no-such-recipe"],
+            ("no recipe named 'no-such-recipe'", "ddl-scalar", "ddl-learned"),
+        ),
+        "recipe-unknown-key": (
+            [src, *out("recipe-unknown-key"), "--recipe", root / "unknown-key.yaml"],
+            ("foo", "unknown key"),
+        ),
         "hub-offline": (["someorg/some-model", *out("hub-offline")], ("someorg/some-model", "local folder path")),
         "not-gguf-file": ([root / "notes.txt", *out("not-gguf-file")], ("not a .gguf model",)),
         "broken-gguf": ([root / "broken.gguf", *out("broken-gguf")], ("GGUF",)),
@@ -220,8 +249,10 @@ def _bad_inputs(root: Path, src: Path) -> dict[str, tuple[list, tuple[str, ...]]
         "already-converted-dry-run": ([checkpoint, "--dry-run"], ("already a deltafy model",)),
         "missing-out": ([src], ("missing --out",)),
         "out-is-a-file": ([src, "--out", root / "a-file"], ("not a folder",)),
-        "self-check-fails": ([src, *out("self-check-fails"), "--tolerance", "0"],
-                             ("self-check failed", "nothing was written")),
+        "self-check-fails": (
+            [src, *out("self-check-fails"), "--tolerance", "0"],
+            ("self-check failed", "nothing was written"),
+        ),
     }
 
 
@@ -236,9 +267,25 @@ def bad_runs(tmp_path_factory, src):
     return root, cases, runs, before
 
 
-BAD = ["missing-relative", "missing-absolute", "no-config", "unsupported", "corrupt-weights", "truncated-weights",
-       "bad-json", "unknown-recipe", "recipe-unknown-key", "hub-offline", "not-gguf-file", "broken-gguf",
-       "already-converted", "already-converted-dry-run", "missing-out", "out-is-a-file", "self-check-fails"]
+BAD = [
+    "missing-relative",
+    "missing-absolute",
+    "no-config",
+    "unsupported",
+    "corrupt-weights",
+    "truncated-weights",
+    "bad-json",
+    "unknown-recipe",
+    "recipe-unknown-key",
+    "hub-offline",
+    "not-gguf-file",
+    "broken-gguf",
+    "already-converted",
+    "already-converted-dry-run",
+    "missing-out",
+    "out-is-a-file",
+    "self-check-fails",
+]
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -262,11 +309,14 @@ def test_unsupported_architecture_says_encoder(bad_runs):
     assert "encoder" in runs["unsupported"].stderr
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["convert", "SRC", "--out", "OUT", "--dtype", "float64"], "Invalid value for '--dtype'"),
-    (["convert", "SRC", "--out", "OUT", "--no-such-option"], "No such option"),
-    (["no-such-command"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["convert", "SRC", "--out", "OUT", "--dtype", "float64"], "Invalid value for '--dtype'"),
+        (["convert", "SRC", "--out", "OUT", "--no-such-option"], "No such option"),
+        (["no-such-command"], "No such command"),
+    ],
+)
 def test_usage_errors_exit_2_with_usage_hint(tmp_path, src, args, needle):
     args = [src if a == "SRC" else tmp_path / "out" if a == "OUT" else a for a in args]
     proc = cli(*args, cwd=tmp_path)

@@ -11,8 +11,10 @@ import typer
 from ..errors import DeltafyError
 from ._console import console, err_console, state
 from .convert import convert_command
+from .eval import eval_command
 from .inspect import inspect_command
 from .recipes import recipes_command
+from .train import train_command
 
 app = typer.Typer(
     name="deltafy",
@@ -40,6 +42,9 @@ _EXITS = (click.exceptions.Exit, typer.Exit)
 _ABORTS = (KeyboardInterrupt, click.exceptions.Abort, typer.Abort)
 
 app.command("convert", no_args_is_help=True)(convert_command)
+_MANY = {"allow_extra_args": True}  # extra paths after --data
+app.command("train", no_args_is_help=True, context_settings=_MANY)(train_command)
+app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
 app.command("recipes")(recipes_command)
 
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     state.debug = "--debug" in args
     # deltafy shows its own progress; third-party tqdm bars would interleave with it.
     os.environ.setdefault("TQDM_DISABLE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         app(args=args, prog_name="deltafy", standalone_mode=False)
     except DeltafyError as err:

