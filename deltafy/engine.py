@@ -205,7 +205,6 @@ def run_training(
         )
     done = max(trainer.state.global_step, 1)
     seconds = (time.perf_counter() - started) / done
-    model, adapter = unwrap_lora(trainer.model, options.merge_lora)
     result = TrainResult(
         steps=trainer.state.global_step,
         loss_before=before,
@@ -216,8 +215,9 @@ def run_training(
     )
     if is_main_process():
         status("held-out loss after training")
-        result.loss_after = evaluate(model, eval_blocks, options.batch_size).loss
-        result.mean_beta_per_layer = mean_beta_per_layer(model, eval_blocks)
+        # The model as trained (with its LoRA adapters, when it has any): what the run produced.
+        result.loss_after = evaluate(trainer.model, eval_blocks, options.batch_size).loss
+        result.mean_beta_per_layer = mean_beta_per_layer(trainer.model, eval_blocks)
         append_metrics(
             out,
             {
@@ -229,7 +229,6 @@ def run_training(
             },
         )
         status(f"writing {out}")
+        model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
         save(model, out, tokenizer=tokenizer, provenance=model.config.deltafy.get("provenance"), into=True)
-        if adapter is not None:
-            adapter.save_pretrained(out / "lora-adapter")
     return result

@@ -98,13 +98,20 @@ def _with_lora(model, options: TrainOptions):
         raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from None
 
 
-def unwrap_lora(model, merge: bool):
-    """The plain deltafy model after LoRA training: merged, or with the adapter returned separately."""
+def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
+    """The plain deltafy model after LoRA training: the adapters merged into its weights, or (first
+    saved to ``adapter_dir`` when given) removed, leaving the base weights as they were.
+
+    ``get_base_model()`` would not do for the second case: peft injects its layers into the base
+    model in place, so that model still holds ``base_layer``/``lora_A`` tensors and saves them.
+    """
     if not hasattr(model, "peft_config"):
-        return model, None
+        return model
     if merge:
-        return model.merge_and_unload(), None
-    return model.get_base_model(), model
+        return model.merge_and_unload()
+    if adapter_dir is not None:
+        model.save_pretrained(adapter_dir)
+    return model.unload()
 
 
 def mean_beta_per_layer(model, blocks: torch.Tensor) -> list[float]:
