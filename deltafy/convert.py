@@ -92,10 +92,10 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
         gates += list(site.gate.parameters())
         others += [p for n, p in site.named_parameters() if not n.startswith("gate.")]
     return [
+        {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
         # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of
         # 1e-8, which would silently shrink its steps a hundredfold; a tiny eps keeps them lr-sized.
         {"params": gates, "lr": t.lr * t.gate_lr_scale, "weight_decay": 0.0, "eps": 1e-20, "name": "gate"},
-        {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
     ]
 
 

@@ -200,8 +200,8 @@ def run_training(
     bad = getattr(trainer.state, "deltafy_nonfinite", None)
     if bad is not None:
         raise DeltafyError(
-            f"the loss became NaN/inf at step {bad}; training stopped and the last good checkpoint is "
-            f"in {state_dir} (lower --lr or --gate-lr-scale and resume)"
+            f"the loss became NaN/inf at step {bad}; training stopped without saving a model. Checkpoints "
+            f"from before are in {state_dir}: resume from one with a lower --lr or --gate-lr-scale"
         )
     done = max(trainer.state.global_step, 1)
     seconds = (time.perf_counter() - started) / done

@@ -52,10 +52,15 @@ def _rms(t: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     return torch.sqrt((t * t).mean(-1, keepdim=True) + eps)
 
 
+def _unit_context(c: torch.Tensor) -> torch.Tensor:
+    """The heads read the context normalized to unit length: c / sqrt(|c|^2 + 1e-6)."""
+    return c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-6)
+
+
 def _reference_stream(site: DeltaSite, x, c, h) -> torch.Tensor:
     """x + m*h + beta*(v - k^T x)*k in float64, written from the paper, not from the code."""
     x, c, h = x.double(), c.double(), h.double()
-    cn = c / _rms(c, 1e-6)
+    cn = _unit_context(c)
     g = cn @ site.gate.weight.double().T + site.gate.bias.double()
     beta = 2.0 * torch.sigmoid(g) if site.force_beta is None else torch.full_like(g, site.force_beta)
     v = (cn @ site.target.weight.double().T + site.target.bias.double()) * _rms(x)
@@ -149,7 +154,7 @@ def test_default_init_is_nearly_identity():
     x, c, h = _tensors(5)
     with torch.no_grad():
         out = site.correct(x, c, h)
-    beta = 2 * torch.sigmoid(torch.tensor(-16.0))
+    beta = 2 * torch.sigmoid(torch.tensor(site.gate_bias_init))
     assert 0 < (out - h).abs().max() <= 10 * beta * x.abs().max()
 
 
@@ -163,7 +168,7 @@ def test_learned_beta_one_overwrites_readout_along_learned_k(rank):
     site.force_beta = 1.0
     with torch.no_grad():
         new = site.correct(x, c, h)
-        cn = c / _rms(c, 1e-6)
+        cn = _unit_context(c)
         k = _unit(site.direction(cn))
     v = 1.3 * _rms(x).squeeze(-1)
     delta = new - h
@@ -178,7 +183,7 @@ def test_learned_beta_two_and_zero(rank):
     site = _site("learned", rank=rank, target_bias=0.2)
     x, c, h = _tensors(7)
     with torch.no_grad():
-        k = _unit(site.direction(c / _rms(c, 1e-6)))
+        k = _unit(site.direction(_unit_context(c)))
         site.force_beta = 2.0
         reflected = _readout(k, x + site.correct(x, c, h) - h)
         site.force_beta = 0.0
@@ -206,7 +211,7 @@ def test_learned_full_rank_starts_at_normalized_context():
     assert torch.equal(site.direction.proj.weight, torch.eye(D))
     x, c, h = _tensors(9)
     with torch.no_grad():
-        k = _unit(site.direction(c / _rms(c, 1e-6)))
+        k = _unit(site.direction(_unit_context(c)))
     torch.testing.assert_close(k, _unit(c))
 
 
@@ -511,3 +516,38 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
         assert grad.abs().sum() > 0, f"no gradient reaches {name}"
         torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=1e-6, msg=name)
     assert all(p.grad is None for n, p in model.named_parameters() if ".delta." not in n)
+
+
+# -- the single-token decode path ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+@pytest.mark.parametrize("shape", [(1, 1, D), (1, D)])
+def test_one_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
+    """Decoding (one token, no autograd, CPU) takes a scalar fast path: it must compute the same."""
+    site = DeltaSite(D, scale=scale)
+    with torch.no_grad():
+        site.gate.weight.normal_()
+        site.target.weight.normal_()
+        site.gate.bias.fill_(-0.5)
+        site.target.bias.fill_(0.3)
+    site.to(dtype)
+    gen = torch.Generator().manual_seed(21)
+    x, c, h = (torch.randn(shape, generator=gen) * s for s in (40.0, 1.0, 3.0))
+    x, c, h = x.to(dtype), c.to(dtype), h.to(dtype)
+    with torch.no_grad():
+        fast = site.correct(x, c, h)
+        site.gate.bias.add_(0.25)  # the cached head weights must notice in-place updates
+        fast_after_update = site.correct(x, c, h)
+    with torch.enable_grad():
+        slow = site.correct(x, c, h)  # grad mode takes the tensor path
+        site.gate.bias.data.add_(-0.25)
+        slow_before_update = site.correct(x, c, h)
+    assert fast.dtype == dtype and fast.shape == h.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast.float(), slow_before_update.float(), rtol=tol, atol=tol)
+    site.gate.bias.data.add_(0.25)
+    torch.testing.assert_close(fast_after_update.float(), slow.float(), rtol=tol, atol=tol)
+    assert not torch.equal(fast, fast_after_update)
+    site.force_beta = 0.0
+    with torch.no_grad():
+        assert torch.equal(site.correct(x, c, h), h)

@@ -35,7 +35,7 @@ def test_default_recipe_is_the_scalar_paper_recipe():
     assert recipe.direction == "sublayer"
     assert recipe.rank is None
     assert recipe.sites == ["attn", "mlp"]
-    assert recipe.gate_bias == -16.0
+    assert recipe.gate_bias == -18.0
     assert recipe.eps == 1e-6
     assert load_recipe(None) == recipe == load_recipe("ddl-scalar")
 
