@@ -38,8 +38,11 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             converted = deltafy.convert(copy.deepcopy(model), recipe)
             report = self_check(converted, reference)
-            print(f"{name:22s} {recipe:12s} {report.max_abs_dlogits:14.2e} {str(report.beta_zero_bitwise):>12s} "
-                  f"{'same' if report.greedy_identical else 'DIFF':>10s}", flush=True)
+            print(
+                f"{name:22s} {recipe:12s} {report.max_abs_dlogits:14.2e} {str(report.beta_zero_bitwise):>12s} "
+                f"{'same' if report.greedy_identical else 'DIFF':>10s}",
+                flush=True,
+            )
             del converted
 
 
