@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-torch.set_num_threads(1)  # the test machine has 2 cores, shared with other jobs
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512

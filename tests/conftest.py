@@ -9,6 +9,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is never reachable from the test machines
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nearly every test runs tiny models, where thread start-up costs more than the math, and the
+# 2-core test machines are often shared: one intra-op thread for the whole session.
+torch.set_num_threads(1)
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128)

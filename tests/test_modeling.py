@@ -17,15 +17,6 @@ from deltafy.verify import forced_beta
 D = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # Tiny models are dominated by thread start-up costs; several workers on 2 cores oversubscribe.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _tensors(seed: int = 0, shape=(3, 5, D), dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     x = 3.0 * torch.randn(shape, generator=gen)

@@ -33,7 +33,6 @@ from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
 from deltafy.train import TrainOptions, options_from, planned_steps
 
-torch.set_num_threads(1)
 
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate lr = 5)
 
