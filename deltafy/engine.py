@@ -38,7 +38,7 @@ class NonFiniteLoss(DeltafyError):
     pass
 
 
-def _callbacks(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool):
+def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool):
     from transformers import TrainerCallback
 
     class Monitor(TrainerCallback):
@@ -87,10 +87,14 @@ def _callbacks(out: Path, total_steps: int, tokens_per_step: int, show_progress:
                     self.progress.update(self.task, completed=state.global_step)
 
         def on_train_end(self, args, state, control, **kwargs):
+            self.stop()
+
+        def stop(self):
             if self.progress is not None:
                 self.progress.stop()
+                self.progress = None
 
-    return [Monitor()]
+    return Monitor()
 
 
 def run_training(
@@ -155,7 +159,10 @@ def run_training(
         save_strategy="steps",
         save_steps=options.save_every,
         save_total_limit=2,
-        eval_strategy="no",
+        eval_strategy="steps",
+        eval_steps=options.eval_every,
+        per_device_eval_batch_size=options.batch_size,
+        prediction_loss_only=True,
         seed=options.seed,
         data_seed=options.seed,
         bf16=bf16,
@@ -163,7 +170,6 @@ def run_training(
         gradient_checkpointing_kwargs={"use_reentrant": False} if options.gradient_checkpointing else None,
         report_to=[],
         disable_tqdm=True,
-        dataloader_drop_last=True,
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
         save_only_model=False,
@@ -181,8 +187,9 @@ def run_training(
         model=model,
         args=args,
         train_dataset=_Blocks(train_blocks),
+        eval_dataset=_Blocks(eval_blocks),
         optimizers=(optimizer, scheduler),
-        callbacks=_callbacks(out, steps, tokens_per_step, show_progress),
+        callbacks=[monitor := _monitor(out, steps, tokens_per_step, show_progress)],
     )
     from transformers.trainer_callback import PrinterCallback
 
@@ -191,6 +198,7 @@ def run_training(
     try:
         trainer.train(resume_from_checkpoint=True if resume else None)
     except KeyboardInterrupt:
+        monitor.stop()
         if trainer.state.global_step > 0:
             trainer._save_checkpoint(trainer.model, trial=None)
         raise DeltafyError(

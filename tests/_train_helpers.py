@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
 

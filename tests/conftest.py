@@ -13,8 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # 2-core test machines are often shared: one intra-op thread for the whole session.
 torch.set_num_threads(1)
 
-_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128)
+_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
 
 # case name -> (model_type, config overrides). Every supported layout appears at least once.
 TINY_CASES: dict[str, tuple[str, dict]] = {
@@ -24,8 +30,10 @@ TINY_CASES: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {}),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2": ("qwen2", {}),
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=32)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    ),
     "qwen3": ("qwen3", dict(head_dim=16)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
     "gemma": ("gemma", dict(head_dim=16)),
@@ -35,7 +43,10 @@ TINY_CASES: dict[str, tuple[str, dict]] = {
     "phi3": ("phi3", dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)),
     "gpt_neox-parallel": ("gpt_neox", dict(use_parallel_residual=True)),
     "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
-    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, bos_token_id=0, eos_token_id=0)),
+    "gptj": (
+        "gptj",
+        dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, bos_token_id=0, eos_token_id=0),
+    ),
     "opt-pre-ln": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True)),
     "opt-post-ln": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=False)),
     "falcon-new-2ln": ("falcon", dict(new_decoder_architecture=True, num_ln_in_parallel_attn=2, num_kv_heads=2)),

@@ -129,8 +129,16 @@ def test_forced_beta_one_changes_logits_at_every_site(case, converted):
     assert (_logits(model, reference) - reference.logits).abs().max() <= 1e-3
 
 
-PARALLEL_CASES = {"phi", "gptj", "cohere", "gpt_neox-parallel", "falcon-new-2ln", "falcon-new-1ln",
-                  "falcon-parallel", "stablelm-parallel"}
+PARALLEL_CASES = {
+    "phi",
+    "gptj",
+    "cohere",
+    "gpt_neox-parallel",
+    "falcon-new-2ln",
+    "falcon-new-1ln",
+    "falcon-parallel",
+    "stablelm-parallel",
+}
 
 
 def test_layout_matches_config(case):
@@ -191,8 +199,14 @@ def _set_site(index, **changes):
         (_set_site(1, scale=2.0), "layer 0 output"),
         (lambda spec: spec.update(parallel=True), "layer 0 mlp stream"),
     ],
-    ids=["attn-write-q_proj", "mlp-write-its-norm", "mlp-stream-wrong", "attn-wrong-scale", "mlp-wrong-scale",
-         "parallel-on-sequential"],
+    ids=[
+        "attn-write-q_proj",
+        "mlp-write-its-norm",
+        "mlp-stream-wrong",
+        "attn-wrong-scale",
+        "mlp-wrong-scale",
+        "parallel-on-sequential",
+    ],
 )
 def test_wrong_site_map_fails_check(edit, fragment):
     model, ids, mask = _llama_with_spec(edit)
@@ -329,8 +343,9 @@ def test_convert_rejects_unsupported_model_and_leaves_it_alone():
 
 
 def test_convert_rejects_encoder_model():
-    config = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, vocab_size=64)
+    config = AutoConfig.for_model(
+        "bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64
+    )
     with pytest.raises(DeltafyError, match="'bert' is an encoder"):
         convert(AutoModel.from_config(config))
 

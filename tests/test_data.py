@@ -12,7 +12,6 @@ from _train_helpers import shared_tokenizer
 from deltafy.data import documents, expand, pack, split_held_out, token_stream
 from deltafy.errors import DeltafyError
 
-
 POEM = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n"
 
 
@@ -100,6 +99,7 @@ def test_jsonl_lines_are_documents(tmp_path):
 
 def test_datasets_folder_saved_with_save_to_disk(tmp_path, tok):
     import datasets
+
     folder = tmp_path / "ds"
     datasets.Dataset.from_dict({"content": ["alpha beta", "gamma", "delta epsilon"], "n": [1, 2, 3]}).save_to_disk(
         str(folder)

@@ -13,7 +13,6 @@ from _train_helpers import run_cli, tiny_setup
 from deltafy.cli import main
 from deltafy.evaluate import evaluate_text, load_any
 
-
 SEQ = 32
 
 

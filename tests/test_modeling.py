@@ -455,8 +455,11 @@ def test_head_parameter_groups(recipe_name):
 def test_head_parameter_groups_use_the_given_recipe():
     model = convert(tiny_model("llama-untied"))
     recipe = load_recipe().model_copy(
-        update={"training": load_recipe().training.model_copy(update={"lr": 2e-4, "gate_lr_scale": 7.0,
-                                                                      "weight_decay": 0.01})}
+        update={
+            "training": load_recipe().training.model_copy(
+                update={"lr": 2e-4, "gate_lr_scale": 7.0, "weight_decay": 0.01}
+            )
+        }
     )
     by_name = {g["name"]: g for g in head_parameter_groups(model, recipe)}
     assert by_name["gate"]["lr"] == pytest.approx(2e-4 * 7.0)

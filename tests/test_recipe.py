@@ -144,9 +144,20 @@ def test_unknown_nested_key_is_named_with_its_path(tmp_path):
         ("name: x\ndirection: foo\ngate_bias: 5\nbogus: 1\n", ["direction", "gate_bias", "bogus"]),
     ],
     ids=[
-        "direction-foo", "rank-default-direction", "rank-with-sublayer", "rank-zero", "gate-bias-5",
-        "gate-bias-too-low", "sites-repeat", "sites-empty", "sites-unknown", "eps-negative", "lr-zero",
-        "weight-decay-negative", "name-missing", "several-errors",
+        "direction-foo",
+        "rank-default-direction",
+        "rank-with-sublayer",
+        "rank-zero",
+        "gate-bias-5",
+        "gate-bias-too-low",
+        "sites-repeat",
+        "sites-empty",
+        "sites-unknown",
+        "eps-negative",
+        "lr-zero",
+        "weight-decay-negative",
+        "name-missing",
+        "several-errors",
     ],
 )
 def test_bad_values_raise_one_line_error(tmp_path, body, fragments):

@@ -33,7 +33,6 @@ from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
 from deltafy.train import TrainOptions, options_from, planned_steps
 
-
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate lr = 5)
 
 
@@ -179,9 +178,10 @@ def test_metrics_jsonl_has_every_step_and_a_summary(heads_run):
     assert len(betas) == 2 and all(0 < b < 2 for b in betas)
     # The gates opened from beta = 2*sigmoid(-18) ~ 3e-8 under the gate's own learning rate.
     assert max(betas) > 1e-4
-    # Apart from the per-step records and the summary, only the Trainer's end-of-run record.
+    # Apart from the per-step records and the summary, only the Trainer's end-of-run record and
+    # the periodic held-out evaluations (--eval-every).
     others = [r for r in records if r not in steps and r is not summary]
-    assert all("train_runtime" in r for r in others), others
+    assert all("train_runtime" in r or "eval_loss" in r for r in others), others
 
 
 def test_gradient_checkpointing_gives_the_same_run(tiny, heads_run, tmp_path):
@@ -377,9 +377,9 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     assert "after 2 steps" in proc.stdout
     steps = step_records(read_metrics(out))
     assert [r["step"] for r in steps] == [1, 2]
-    # One step is batch_size blocks of seq_len tokens: an epoch is (32-token blocks // 2) steps.
+    # One step is batch_size blocks of seq_len tokens: an epoch is ceil(32-token blocks / 2) steps.
     blocks = len(token_stream([str(tiny.train_txt)], tiny.tokenizer, use_cache=False)) // 32
-    assert steps[0]["epoch"] == pytest.approx(1 / (blocks // 2))
+    assert steps[0]["epoch"] == pytest.approx(1 / math.ceil(blocks / 2))
     assert sorted(p.name for p in (out / "training").iterdir()) == ["checkpoint-2"]
     deltafy.load(out)
 
@@ -467,3 +467,65 @@ def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
     assert base <= changed_keys(before, after)  # every pretrained tensor trained
     reloaded = deltafy.load(out)  # still a deltafy checkpoint
     assert sum(1 for _ in deltafy.modeling_deltafy.delta_sites(reloaded)) == 4
+
+
+def test_eval_every_logs_held_out_loss(tiny, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=4, eval_every=2)
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(math.isfinite(r["eval_loss"]) for r in evals)
+    # The Trainer's evaluation at the last step is the held-out loss deltafy reports at the end.
+    assert evals[-1]["eval_loss"] == pytest.approx(result.loss_after, rel=1e-4)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tiny, tmp_path):
+    """A real SIGINT to `deltafy train` mid-run: one-line message, resumable checkpoint, exit 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltafy",
+        "train",
+        str(tiny.delta),
+        "--data",
+        str(tiny.train_txt),
+        "--eval-data",
+        str(tiny.held_txt),
+        "--out",
+        str(out),
+        "--steps",
+        "400",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--save-every",
+        "1000",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "interrupted at step" in errors[0] and "--resume" in errors[0], stderr
+    assert "Traceback" not in stderr
+    checkpoints = list((out / "training").glob("checkpoint-*"))
+    assert len(checkpoints) == 1
+    assert not (out / "config.json").exists(), "an interrupted run must not look like a finished model"
+    step = int(checkpoints[0].name.split("-")[1])
+    assert 3 <= step < 400
+    resumed = train(tiny, out, resume=True, steps=step + 2, save_every=1000)
+    assert resumed.steps == step + 2
+    assert (out / "config.json").is_file()
