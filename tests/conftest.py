@@ -84,3 +84,33 @@ def tiny_model(case: str, seed: int = 0):
 @pytest.fixture(params=sorted(TINY_CASES))
 def case(request) -> str:
     return request.param
+
+
+# Child processes that must prove they run without deltafy: `python -I` (no cwd on sys.path, no
+# PYTHON* variables) plus this preamble, which makes deltafy unimportable and checks it.
+DELTAFY_FREE_PREAMBLE = r"""
+import sys
+sys.modules["deltafy"] = None
+try:
+    import deltafy  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("deltafy is importable in the child process")
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A trained tiny tokenizer, a tiny llama and its deltafy conversion (tests/_train_helpers.py)."""
+    from _train_helpers import tiny_setup
+
+    return tiny_setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def token_cache(tmp_path_factory):
+    """A private token cache for a test module (DELTAFY_CACHE), so cache tests start empty."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DELTAFY_CACHE", str(tmp_path_factory.mktemp("token-cache")))
+        yield

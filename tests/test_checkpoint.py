@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import tiny_model
+from conftest import DELTAFY_FREE_PREAMBLE, tiny_model
 from safetensors import safe_open
 
 import deltafy
@@ -52,15 +52,9 @@ NONTRIVIAL_CASES = [
 NEW_TOKENS = 16
 
 # Runs in `python -I`: no cwd on sys.path, no PYTHON* variables, and deltafy made unimportable.
-CHILD = r"""
-import sys
-sys.modules["deltafy"] = None
-try:
-    import deltafy  # noqa: F401
-except ImportError:
-    pass
-else:
-    raise SystemExit("deltafy is importable in the child process")
+CHILD = (
+    DELTAFY_FREE_PREAMBLE
+    + r"""
 import json, traceback
 import torch
 from transformers import AutoModelForCausalLM
@@ -100,6 +94,7 @@ for job in jobs:
 loaded = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "deltafy" and mod is not None)
 torch.save({"results": results, "deltafy_modules": loaded}, result_file)
 """
+)
 
 
 def child_env(tmp: Path) -> dict:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from _train_helpers import run_cli, tiny_setup
+from _train_helpers import run_cli
 
 from deltafy.cli import main
 from deltafy.evaluate import evaluate_text, load_any
@@ -16,16 +16,7 @@ from deltafy.evaluate import evaluate_text, load_any
 SEQ = 32
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return tiny_setup(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _token_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DELTAFY_CACHE", str(tmp_path_factory.mktemp("token-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("token_cache")
 
 
 def json_result(proc) -> dict:

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from conftest import DELTAFY_FREE_PREAMBLE
 
 import deltafy
 from deltafy.errors import DeltafyError
@@ -28,15 +29,9 @@ TEXT = (
 NEW_TOKENS = 16
 
 # A deltafy-free process: `python -I` and deltafy made unimportable; plain transformers only.
-CHILD = r"""
-import sys
-sys.modules["deltafy"] = None
-try:
-    import deltafy  # noqa: F401
-except ImportError:
-    pass
-else:
-    raise SystemExit("deltafy is importable in the child process")
+CHILD = (
+    DELTAFY_FREE_PREAMBLE
+    + r"""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,6 +51,7 @@ torch.save({
     "deltafy_modules": sorted(n for n, m in sys.modules.items() if n.split(".")[0] == "deltafy" and m is not None),
 }, result_file)
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from _train_helpers import (
     run_cli,
     step_records,
     subprocess_env,
-    tiny_setup,
 )
 
 import deltafy
@@ -36,16 +35,7 @@ from deltafy.train import TrainOptions, options_from, planned_steps
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate lr = 5)
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return tiny_setup(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _token_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DELTAFY_CACHE", str(tmp_path_factory.mktemp("token-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("token_cache")
 
 
 def opts(**overrides) -> TrainOptions:
