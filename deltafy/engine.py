@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def run_training(
 
     cuda = torch.cuda.is_available()
     bf16 = options.precision == "bf16" or (options.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     steps = planned_steps(options, world)
     model, groups = select_trainable(model, options.train, options)
     trainable = sum(p.numel() for g in groups for p in g["params"])

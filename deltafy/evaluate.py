@@ -29,10 +29,9 @@ class EvalResult:
 def load_any(source: str, dtype: str = "auto", device: str | None = None):
     """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id."""
     from .checkpoint import load, load_tokenizer
-    from .sources import load_source
+    from .sources import is_deltafy_folder, load_source
 
-    config = Path(source).expanduser() / "config.json"
-    if config.is_file() and json.loads(config.read_text() or "{}").get("model_type") == "deltafy":
+    if is_deltafy_folder(Path(source).expanduser()):
         model = load(source, dtype=None if dtype == "auto" else dtype)
         tokenizer = load_tokenizer(source)
     else:

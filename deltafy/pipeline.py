@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from .architectures import layout_for
 from .checkpoint import check_output_dir, save
 from .convert import convert, summarize
 from .errors import DeltafyError
@@ -59,18 +58,10 @@ def plan_source(source: str, recipe: Recipe | str | None = None) -> Plan:
     recipe = load_recipe(recipe)
     path = Path(source).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        from transformers import AutoConfig
-
-        from .sources import _short, refuse_deltafy_folder
+        from .sources import load_config, refuse_deltafy_folder
 
         refuse_deltafy_folder(path, source)
-        try:
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except Exception as err:
-            raise DeltafyError(f"could not read the config of {source}: {_short(err)}") from None
-        if config.model_type == "deltafy":
-            raise DeltafyError(f"{source} is already a deltafy model; convert the original model instead")
-        layout_for(config)
+        config = load_config(str(path), source, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     else:

@@ -111,34 +111,45 @@ def _has_vocabulary(tokenizer) -> bool:
         return True
 
 
-def refuse_deltafy_folder(path: Path, what: str) -> None:
-    """Refuse a deltafy checkpoint as a source (its config only loads with remote code, so this
-    is checked on the raw JSON before transformers reads it)."""
+def is_deltafy_folder(path: Path) -> bool:
+    """Whether ``path`` holds a deltafy checkpoint, read from the raw JSON: such a config only
+    loads in transformers with remote code, so this is checked before transformers reads it."""
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        return json.loads((path / "config.json").read_text()).get("model_type") == "deltafy"
     except (OSError, ValueError, AttributeError):
-        return  # unreadable configs get their own error from transformers
-    if model_type == "deltafy":
+        return False  # unreadable configs get their own error from transformers
+
+
+def refuse_deltafy_folder(path: Path, what: str) -> None:
+    if is_deltafy_folder(path):
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
 
 
+def load_config(location: str, what: str, **kwargs):
+    """The config of a model to convert, checked to be a supported family (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(location, **kwargs)
+    except Exception as err:  # OSError, JSON and validation errors alike
+        if kwargs.get("local_files_only") is False:
+            raise DeltafyError(
+                f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
+                f"and your connection, or download it elsewhere and pass the local folder path"
+            ) from None
+        raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from None
+    if config.model_type == "deltafy":
+        raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
+    layout_for(config)  # fail on unsupported families before reading any weights
+    return config
+
+
 def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     previous = _quiet_transformers()
     try:
-        try:
-            config = AutoConfig.from_pretrained(location, **kwargs)
-        except Exception as err:  # OSError, JSON and validation errors alike
-            if kwargs.get("local_files_only") is False:
-                raise DeltafyError(
-                    f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
-                    f"and your connection, or download it elsewhere and pass the local folder path"
-                ) from None
-            raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from None
-        if config.model_type == "deltafy":
-            raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
-        layout_for(config)  # fail on unsupported families before reading any weights
+        config = load_config(location, what, **kwargs)
         torch_dtype = _dtype(dtype, config)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from ..recipe import TrainingDefaults, load_recipe
+from ..recipe import load_recipe
 from ._console import console, err_console
 from ._options import OverwriteOpt
 
@@ -115,7 +115,6 @@ def train_command(
         gradient_checkpointing=True if gradient_checkpointing else None,
         text_field=text_field,
     )
-    assert isinstance(options, TrainingDefaults)
     with err_console.status("") as spinner:
 
         def status(message: str) -> None:
