@@ -159,7 +159,10 @@ def subprocess_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_cli(*args, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, cwd: Path, env: dict | None = None, timeout: int = 300, preexec_fn=None
+) -> subprocess.CompletedProcess:
+    """`python -m deltafy ARGS` in a subprocess: offline, one thread, no standard input."""
     return subprocess.run(
         [sys.executable, "-m", "deltafy", *map(str, args)],
         cwd=cwd,
@@ -168,4 +171,5 @@ def run_cli(*args, cwd: Path, env: dict | None = None, timeout: int = 300) -> su
         text=True,
         stdin=subprocess.DEVNULL,
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_helpers import run_cli, subprocess_env
 from conftest import tiny_config, tiny_model
 
 import deltafy
@@ -23,24 +24,11 @@ from deltafy.sources import ALIASES, load_source, resolve_alias
 
 
 def cli_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", COLUMNS="80")
-    env.pop("PYTHONPATH", None)
-    env.update(extra or {})
-    return env
+    return subprocess_env({"COLUMNS": "80", **(extra or {})})  # narrow: wrapped errors would show
 
 
 def cli(*args, cwd: Path, env: dict | None = None, preexec_fn=None, timeout: int = 600):
-    return subprocess.run(
-        [sys.executable, "-m", "deltafy", *map(str, args)],
-        cwd=cwd,
-        env=cli_env(env),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-        preexec_fn=preexec_fn,
-    )
+    return run_cli(*args, cwd=cwd, env={"COLUMNS": "80", **(env or {})}, timeout=timeout, preexec_fn=preexec_fn)
 
 
 _PROGRESS_BAR = re.compile(r"\d+%\|.*\|")
