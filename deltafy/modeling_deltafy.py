@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,9 @@ from torch import nn
 
 DELTAFY_FORMAT_VERSION = 1
 
-# Stream/context tensors travel from the stream hook to the write hook of one site. They are
-# kept per thread so that concurrent forwards on one model instance never see each other's.
+# Stream/context tensors travel from the capture step to the write step of one site, and decoding
+# reuses a small buffer per site. Both are kept per thread so that concurrent forwards on one model
+# instance never see each other's.
 _STASH = threading.local()
 
 
@@ -31,6 +33,13 @@ def _stash() -> dict:
     store = getattr(_STASH, "sites", None)
     if store is None:
         store = _STASH.sites = {}
+    return store
+
+
+def _buffers() -> weakref.WeakKeyDictionary:
+    store = getattr(_STASH, "buffers", None)
+    if store is None:
+        store = _STASH.buffers = weakref.WeakKeyDictionary()
     return store
 
 
@@ -72,9 +81,9 @@ class DeltaDirection(nn.Module):
 class DeltaSite(nn.Module):
     """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
 
-    Attached to the decoder layer as ``layer.delta[site]``; its two hooks run on the layer's own
-    modules: ``capture`` on the module whose input is the stream x, ``write`` on the module
-    whose output h is added to the stream.
+    Attached to the decoder layer as ``layer.delta[site]``; its two steps run inside the layer's
+    own modules: ``capture`` after the module whose input is the stream x, ``write`` after the
+    module whose output h is added to the stream.
     """
 
     def __init__(
@@ -118,13 +127,13 @@ class DeltaSite(nn.Module):
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, direction={self.direction_kind}, scale={self.scale}"
 
-    # -- hooks -------------------------------------------------------------------------------
-    def capture(self, module, args, kwargs, output):
+    # -- the two steps of a site, run by _SiteCall around the modules' own forwards ---------------
+    def capture(self, args: tuple, kwargs: dict, output) -> None:
         x = _first_tensor(args, kwargs)
         c = x if self.context == "input" else (output[0] if isinstance(output, tuple) else output)
         _stash()[id(self)] = (x, c)
 
-    def write(self, module, args, output):
+    def write(self, output):
         try:
             x, c = _stash().pop(id(self))
         except KeyError:
@@ -140,11 +149,13 @@ class DeltaSite(nn.Module):
     def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
         # Written for few kernel launches: at decode time on CPU the cost is dispatch, not math.
+        # (Under torch.compile the tensor path below fuses instead; the scalar path would break the graph.)
         if (
             self.direction is None
             and h.numel() == h.shape[-1]
-            and h.device.type == "cpu"
+            and h.is_cpu
             and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
         ):
             return self._correct_one_token(x, c, h)
         dtype = h.dtype
@@ -181,26 +192,32 @@ class DeltaSite(nn.Module):
             out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
         return out.to(dtype)
 
-    def _frozen_heads(self, ndim: int):
-        """Gate and target weights stacked (and biases as floats), cached until a weight changes."""
-        params = (self.gate.weight, self.target.weight, self.gate.bias, self.target.bias)
-        key = tuple((p._version, p.data_ptr()) for p in params) + (ndim,)
-        cached = self.__dict__.get("_heads_cache")
+    def _decode_rows(self, h: torch.Tensor):
+        """This thread's fp32 buffer of rows [c; x; h; gate weight; target weight] for decoding,
+        with the head rows (and biases, as floats) refreshed whenever a head weight changes."""
+        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
+        w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
+        key = (
+            w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(),
+            b_g._version, b_g.data_ptr(), b_v._version, b_v.data_ptr(), h.dim(),
+        )  # fmt: skip
+        buffers = _buffers()
+        cached = buffers.get(self)
         if cached is None or cached[0] != key:
-            heads = torch.cat(params[:2]).float().view((1,) * (ndim - 2) + (2, self.hidden_size))
-            cached = (key, heads, float(params[2]), float(params[3]))
-            self.__dict__["_heads_cache"] = cached
+            rows = torch.empty(5, self.hidden_size, dtype=torch.float32)
+            rows[3:].copy_(torch.cat((w_g, w_v)))
+            # (gram lhs (3, d), gram rhs (d, 5), the c/x/h rows viewed in h's shape, gate bias, target bias)
+            views = (rows[:3], rows.t(), rows[:3].view((3,) + h.shape[1:]), float(b_g), float(b_v))
+            cached = buffers[self] = (key,) + views
         return cached[1:]
 
     def _correct_one_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for one token without autograd on CPU (decoding): the same math with the
-        per-token scalars in Python, so a site costs four kernel launches instead of ~25."""
-        heads, b_g, b_v = self._frozen_heads(h.dim())
-        rows = torch.cat((c, x, h, heads), -2)  # (..., 5, d): c, x, h, gate weight, target weight
-        dots = torch.matmul(rows, rows.mT).tolist()
-        for _ in range(rows.dim() - 2):
-            dots = dots[0]
-        (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) = dots[:3]
+        per-token scalars in Python. Every dot product comes from one (3, 5) Gram matmul over a
+        reused buffer, so a site costs three small kernels instead of ~25."""
+        lhs, rhs, cxh, b_g, b_v = self._decode_rows(h)
+        torch.cat((c, x, h), out=cxh)
+        (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) = torch.mm(lhs, rhs).tolist()
         inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
         if self.force_beta is None:
             g = cg * inv_norm_c + b_g
@@ -209,13 +226,43 @@ class DeltaSite(nn.Module):
             beta = float(self.force_beta)
         if self.beta_log is not None:
             self.beta_log.append(torch.tensor(beta))
-        v = (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / h.shape[-1])
+        v = (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size)
         m = self.scale
         n = math.sqrt(hh * m * m + self.eps**2)
         gain = beta * (v - m * xh / n) / n
         if h.dtype == torch.float32:
             return h * (1.0 + gain)
         return (h.float() * (1.0 + gain)).to(h.dtype)
+
+
+class _SiteCall:
+    """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
+    forward, then the capture step of every site whose stream it is and the write step of every
+    site whose write it is (OPT's post-LN attention is both).
+
+    An instance attribute rather than forward hooks: a hooked call takes torch's slow call path
+    (~4 us of Python per call, twice per site, which shows at decode time), while a module whose
+    ``forward`` is replaced keeps the fast path; the correction is also plain code that
+    torch.compile traces.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        # A wrapper someone installed before us (accelerate's device hooks) keeps running inside.
+        self.inner = module.__dict__.get("forward")
+        self.captures: list[DeltaSite] = []
+        self.writes: list[DeltaSite] = []
+
+    def __call__(self, *args, **kwargs):
+        if self.inner is None:
+            output = type(self.module).forward(self.module, *args, **kwargs)
+        else:
+            output = self.inner(*args, **kwargs)
+        for site in self.captures:
+            site.capture(args, kwargs, output)
+        for site in self.writes:
+            output = site.write(output)
+        return output
 
 
 # -- surgery ------------------------------------------------------------------------------------
@@ -236,7 +283,7 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
     layer list), ``hidden_size``, ``sites`` (per site: ``name``, ``stream``, ``write``, ``context``, ``scale``),
     ``direction``, ``rank``, ``gate_bias`` and ``eps``.
     """
-    if getattr(model, "_deltafy_handles", None):
+    if getattr(model, "_deltafy_calls", None):
         raise ValueError("deltafy: this model is already converted")
     ref = next(model.parameters())
     # Resolve every module first, so a map that does not fit leaves the model untouched.
@@ -251,7 +298,13 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
                     f"deltafy: site {site['name']!r} names a module that {type(layer).__name__} does not have ({err})"
                 ) from None
             plan.append((layer, site, stream, write))
-    handles = []
+    calls: dict[int, _SiteCall] = {}
+
+    def call_of(module: nn.Module) -> _SiteCall:
+        if id(module) not in calls:
+            calls[id(module)] = _SiteCall(module)
+        return calls[id(module)]
+
     for layer, site, stream, write in plan:
         delta = DeltaSite(
             hidden_size=spec["hidden_size"],
@@ -265,9 +318,11 @@ def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
         layer.delta[site["name"]] = delta
-        handles.append(stream.register_forward_hook(delta.capture, with_kwargs=True))
-        handles.append(write.register_forward_hook(delta.write))
-    model._deltafy_handles = handles
+        call_of(stream).captures.append(delta)
+        call_of(write).writes.append(delta)
+    for call in calls.values():
+        call.module.forward = call
+    model._deltafy_calls = list(calls.values())
     return model
 
 

@@ -112,12 +112,14 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     seen: dict[tuple[int, str], list] = {}
     handles = []
 
+    # Copies, not references: some layers add in place into what a write returned (Falcon's
+    # ``mlp_output += attention_output``).
     def recorder(key, kind):
         def pre(module, args, kwargs):
-            seen.setdefault(key + (kind,), []).append(_first_tensor(args, kwargs))
+            seen.setdefault(key + (kind,), []).append(_first_tensor(args, kwargs).clone())
 
         def post(module, args, output):
-            seen.setdefault(key + (kind,), []).append(output[0] if isinstance(output, tuple) else output)
+            seen.setdefault(key + (kind,), []).append((output[0] if isinstance(output, tuple) else output).clone())
 
         return pre, post
 
@@ -131,8 +133,8 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
             pre, _ = recorder((i, site["name"]), "x")
             handles.append(stream.register_forward_pre_hook(pre, with_kwargs=True))
             _, post = recorder((i, site["name"]), "h")
-            # prepend: see the write before the DDL hook rewrites it (it is a no-op at beta=0 anyway)
-            handles.append(layer.get_submodule(site["write"]).register_forward_hook(post, prepend=True))
+            # the write after the correction, which is exactly h at beta=0
+            handles.append(layer.get_submodule(site["write"]).register_forward_hook(post))
     was_training = model.training
     model.eval()
     try:

@@ -413,8 +413,8 @@ def test_granite_layer_applies_correction_with_residual_multiplier(converted):
     hooks = [
         layer.input_layernorm.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x", args[0])),
         layer.input_layernorm.register_forward_hook(lambda mod, args, out: seen.__setitem__("c", out)),
-        # prepend: the raw write h, before the DDL hook rewrites it
-        layer.self_attn.register_forward_hook(lambda mod, args, out: seen.__setitem__("h", out[0]), prepend=True),
+        # the raw write h: the attention's output projection, before the site corrects it
+        layer.self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.__setitem__("h", out)),
         layer.post_attention_layernorm.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x1", args[0])),
     ]
     site = layer.delta["attn"]

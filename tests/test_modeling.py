@@ -1,8 +1,9 @@
-"""The DDL math of DeltaSite and the mechanics of the hook-based surgery (threads, copies, training)."""
+"""The DDL math of DeltaSite and the mechanics of the surgery (threads, copies, compile, training)."""
 
 from __future__ import annotations
 
 import copy
+import io
 import sys
 import threading
 
@@ -346,9 +347,10 @@ def test_heads_matter_after_make_heads_matter(llama):
     assert (with_heads - without).abs().max() > 1e-2
 
 
-def test_concurrent_forwards_match_sequential(llama):
+@pytest.mark.parametrize("shape", [(2, 9), (1, 1)], ids=["tensor-path", "one-token-path"])
+def test_concurrent_forwards_match_sequential(llama, shape):
     gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(0, 128, (2, 9), generator=gen) for _ in range(2)]
+    inputs = [torch.randint(0, 128, shape, generator=gen) for _ in range(2)]
     expected = [_logits(llama, ids) for ids in inputs]
     n_iter = 40
     results: list[list] = [[], []]
@@ -418,6 +420,60 @@ def test_deepcopy_is_independent(llama):
     # every site of the copy still runs once per forward
     betas = mean_betas(clone, lambda: _logits(clone, ids))
     assert len(betas) == 4 and all(b == b for b in betas.values())  # no NaN: no site was skipped
+
+
+def test_pickled_model_round_trips(llama):
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(4))
+    buffer = io.BytesIO()
+    torch.save(llama, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(_logits(restored, ids), _logits(llama, ids), rtol=0, atol=0)
+    set_forced_beta(restored, 0.0)  # the restored modules call the restored heads
+    assert (_logits(restored, ids) - _logits(llama, ids)).abs().max() > 1e-2
+
+
+def test_a_forward_wrapper_installed_before_conversion_keeps_running():
+    """accelerate's device hooks replace ``module.forward`` on the instance; deltafy wraps them."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    plain = convert(tiny_model("llama-tied"))
+    _make_heads_matter(plain)
+    base = tiny_model("llama-tied")
+    add_hook_to_module(base.model.layers[0].input_layernorm, Count())
+    converted = convert(base)
+    converted.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(_logits(converted, ids), _logits(plain, ids), rtol=0, atol=0)
+    assert Count.calls == 1
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "gpt2", "opt-post-ln"])
+def test_torch_compile_matches_eager(case):
+    """DESIGN pitfall: dynamo can drop forward hooks. deltafy installs none; prove compile keeps the heads."""
+    model = convert(tiny_model(case)).eval()
+    _make_heads_matter(model)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(6))
+    eager = _logits(model, ids)
+    with forced_beta(model, 0.0):
+        without_heads = _logits(model, ids)
+    assert (eager - without_heads).abs().max() > 1e-2
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")  # dynamo's tracing, without a C++ toolchain
+    torch.testing.assert_close(_logits(compiled, ids), eager, rtol=0, atol=1e-5)
+
+    # decoding one token at a time with the cache: the tensor path runs inside the graph
+    eager_tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    compiled_tokens = compiled.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(compiled_tokens, eager_tokens)
+    torch._dynamo.reset()
 
 
 # -- optimizer groups -------------------------------------------------------------------------

@@ -69,17 +69,19 @@ class LayerCalls:
     """Counts forward calls of the layers' MLPs in every model of the process (a global hook).
 
     transformers checkpoints a decoder layer's ``forward`` (its own hooks stay outside), so a
-    recomputation shows up as a second call of the modules inside the layer.
+    recomputation shows up as a second call of the modules inside the layer. Calls are counted as
+    they start: non-reentrant checkpointing stops a recomputation, mid-forward, as soon as the
+    tensors backward needs are back.
     """
 
     def __enter__(self):
         self.count = 0
 
-        def hook(module, args, output):
+        def hook(module, args):
             if type(module).__name__ == "LlamaMLP":
                 self.count += 1
 
-        self.handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
         return self
 
     def __exit__(self, *exc):
