@@ -92,10 +92,29 @@ def _with_lora(model, options: TrainOptions):
         bias="none",
         task_type="CAUSAL_LM",
     )
+    _refuse_site_modules(model, config, TARGETS.get(model.config.deltafy["base_model_type"]))
     try:
         return get_peft_model(model, config)
     except ValueError as err:
         raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from None
+
+
+def _refuse_site_modules(model, config, defaults) -> None:
+    """LoRA must not wrap a module whose forward deltafy wraps: peft would add its update after
+    the site saw the write (or the context), so the model trained would not be the model merged."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    spec = model.config.deltafy
+    for name, _ in model.get_submodule(spec["layers"]).named_children():
+        for site in spec["sites"]:
+            watched = [site["write"]] + ([site["stream"]] if site.get("stream") and site.get("context") != "input" else [])
+            for module in watched:
+                if check_target_module_exists(config, f"{spec['layers']}.{name}.{module}"):
+                    hint = f" (peft's default here: {','.join(defaults)})" if defaults else ""
+                    raise DeltafyError(
+                        f"--lora-targets: LoRA on {module!r} would bypass the DDL correction of the "
+                        f"{site['name']!r} site, which wraps that module; target modules inside the sublayer{hint}"
+                    )
 
 
 def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):

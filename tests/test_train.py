@@ -291,6 +291,23 @@ def test_lora_only_and_all_parameters(tiny, tmp_path, mode):
     deltafy.load(out)
 
 
+@pytest.mark.parametrize("case", ["opt-pre-ln", "opt-post-ln"])
+def test_lora_on_a_module_a_site_wraps_is_refused(case):
+    """OPT's fc2 is a residual write: peft would add LoRA's update after the correction saw h."""
+    from conftest import tiny_model
+
+    from deltafy.train import select_trainable
+
+    model = deltafy.convert(tiny_model(case))
+    with pytest.raises(DeltafyError, match="'fc2' would bypass the DDL correction of the 'mlp' site") as err:
+        select_trainable(model, "heads+lora", opts(lora_targets=["q_proj", "fc2"]))
+    assert "q_proj,v_proj" in str(err.value)  # points at peft's defaults for the family
+    assert not any("lora_" in name for name, _ in model.named_parameters())  # refused before wrapping
+    # fc1 reads the stream in post-LN OPT, but as its input: LoRA there changes nothing deltafy reads
+    wrapped, _ = select_trainable(model, "heads+lora", opts(lora_targets=["q_proj", "fc1"]))
+    assert any("fc1.lora_A" in name for name, _ in wrapped.named_parameters())
+
+
 # -- failures ----------------------------------------------------------------------------------
 
 
