@@ -3,12 +3,13 @@
     python benchmarks/speed.py                       # SmolLM2-135M and random GPT-2 124M, fp32 CPU
     python benchmarks/speed.py --models gpt2 --rounds 9 --recipe ddl-learned
     python benchmarks/speed.py --open-gates          # heads as after training, not at init
+    python benchmarks/speed.py --decode-batch 4      # decode four sequences at once
 
 Prefill: batch 4 x 256 tokens, one forward per model per round, alternating which goes first.
-Decode: batch 1, greedy with the KV cache, the two models in lockstep one token at a time
-(alternating which goes first), so that the drift of a shared machine hits both alike; this
-times the model's decode step itself, without generate()'s bookkeeping, which would only dilute
-the difference. Both models are deep copies of one loaded model, so neither gets a luckier
+Decode: batch 1 (--decode-batch), greedy with the KV cache, the two models in lockstep one
+token at a time (alternating which goes first), so that the drift of a shared machine hits both
+alike; this times the model's decode step itself, without generate()'s bookkeeping, which would
+only dilute the difference. Both models are deep copies of one loaded model, so neither gets a luckier
 memory layout. "ratio" is converted/original tokens/s over all rounds (or tokens), "median" the
 median of the per-round (per-token) ratios. Targets: prefill >= 0.95, decode >= 0.93.
 """
@@ -95,7 +96,8 @@ def summarize(times: dict[str, list[float]], tokens_per_step: int) -> tuple[floa
     """(original tok/s, converted tok/s, ratio of those, median of the per-step ratios)."""
     orig, conv = times["original"], times["converted"]
     orig_speed, conv_speed = tokens_per_step * len(orig) / sum(orig), tokens_per_step * len(conv) / sum(conv)
-    return orig_speed, conv_speed, conv_speed / orig_speed, statistics.median(o / c for o, c in zip(orig, conv))
+    median = statistics.median(o / c for o, c in zip(orig, conv, strict=True))
+    return orig_speed, conv_speed, conv_speed / orig_speed, median
 
 
 def main() -> None:
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="ddl-scalar")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--open-gates", action="store_true", help="time heads as after training")
     args = parser.parse_args()
@@ -123,10 +126,10 @@ def main() -> None:
         vocab = models["original"].get_input_embeddings().num_embeddings
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (4, 256), generator=gen)
-        prompt = torch.randint(0, vocab, (1, 32), generator=gen)
+        prompt = torch.randint(0, vocab, (args.decode_batch, 32), generator=gen)
         rows = [
             ("prefill", summarize(prefill(models, ids, args.rounds), ids.numel())),
-            ("decode", summarize(decode(models, prompt, args.new_tokens, args.rounds), 1)),
+            ("decode", summarize(decode(models, prompt, args.new_tokens, args.rounds), args.decode_batch)),
         ]
         for phase, (o, c, ratio, median) in rows:
             print(f"{name:10s} {phase:8s} {o:15.1f} {c:16.1f} {ratio:7.3f} {median:7.3f}", flush=True)

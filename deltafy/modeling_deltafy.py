@@ -28,6 +28,9 @@ DELTAFY_FORMAT_VERSION = 1
 # instance never see each other's.
 _STASH = threading.local()
 
+# Up to this many tokens (a decoding batch), a site's math runs on Python scalars; see _correct_rows.
+_FEW_ROWS = 16
+
 
 def _stash() -> dict:
     store = getattr(_STASH, "sites", None)
@@ -152,12 +155,12 @@ class DeltaSite(nn.Module):
         # (Under torch.compile the tensor path below fuses instead; the scalar path would break the graph.)
         if (
             self.direction is None
-            and h.numel() == h.shape[-1]
+            and h.numel() <= _FEW_ROWS * h.shape[-1]
             and h.is_cpu
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):
-            return self._correct_one_token(x, c, h)
+            return self._correct_rows(x, c, h)
         dtype = h.dtype
         if dtype != torch.float32:
             x, c, h = x.float(), c.float(), h.float()
@@ -192,47 +195,53 @@ class DeltaSite(nn.Module):
             out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
         return out.to(dtype)
 
-    def _decode_rows(self, h: torch.Tensor):
-        """This thread's fp32 buffer of rows [c; x; h; gate weight; target weight] for decoding,
-        with the head rows (and biases, as floats) refreshed whenever a head weight changes."""
+    def _decode_rows(self, n: int):
+        """This thread's fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate
+        weight; target weight], the head rows (and biases, as floats) refreshed whenever a head
+        weight changes."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
         key = (
             w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(),
-            b_g._version, b_g.data_ptr(), b_v._version, b_v.data_ptr(), h.dim(),
+            b_g._version, b_g.data_ptr(), b_v._version, b_v.data_ptr(), n,
         )  # fmt: skip
         buffers = _buffers()
         cached = buffers.get(self)
         if cached is None or cached[0] != key:
-            rows = torch.empty(5, self.hidden_size, dtype=torch.float32)
-            rows[3:].copy_(torch.cat((w_g, w_v)))
-            # (gram lhs (3, d), gram rhs (d, 5), the c/x/h rows viewed in h's shape, gate bias, target bias)
-            views = (rows[:3], rows.t(), rows[:3].view((3,) + h.shape[1:]), float(b_g), float(b_v))
-            cached = buffers[self] = (key,) + views
+            rows = torch.empty(n, 5, self.hidden_size, dtype=torch.float32)
+            rows[:, 3:].copy_(torch.cat((w_g, w_v)).detach())
+            # (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5), gate bias, target bias)
+            cached = buffers[self] = (key, rows[:, :3], rows.mT, float(b_g), float(b_v))
         return cached[1:]
 
-    def _correct_one_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``correct`` for one token without autograd on CPU (decoding): the same math with the
-        per-token scalars in Python. Every dot product comes from one (3, 5) Gram matmul over a
-        reused buffer, so a site costs three small kernels instead of ~25."""
-        lhs, rhs, cxh, b_g, b_v = self._decode_rows(h)
-        torch.cat((c, x, h), out=cxh)
-        (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) = torch.mm(lhs, rhs).tolist()
-        inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
-        if self.force_beta is None:
-            g = cg * inv_norm_c + b_g
-            beta = 2.0 / (1.0 + math.exp(-g)) if g >= 0 else 2.0 * math.exp(g) / (1.0 + math.exp(g))
-        else:
-            beta = float(self.force_beta)
-        if self.beta_log is not None:
-            self.beta_log.append(torch.tensor(beta))
-        v = (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size)
-        m = self.scale
-        n = math.sqrt(hh * m * m + self.eps**2)
-        gain = beta * (v - m * xh / n) / n
-        if h.dtype == torch.float32:
-            return h * (1.0 + gain)
-        return (h.float() * (1.0 + gain)).to(h.dtype)
+    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``correct`` for a few tokens without autograd on CPU (decoding): the same math with the
+        per-token scalars in Python. Every dot product of a token comes from one batched Gram
+        matmul over a reused buffer, so a site costs three small kernels instead of ~25."""
+        d = self.hidden_size
+        n = h.numel() // d
+        cxh, rhs, b_g, b_v = self._decode_rows(n)
+        shape = h.shape
+        if h.dim() != 3 or shape[1] != 1:  # decoding gives (batch, 1, d) already
+            x, c, h = x.reshape(n, 1, d), c.reshape(n, 1, d), h.reshape(n, 1, d)
+        torch.cat((c, x, h), 1, out=cxh)
+        scales = []
+        for (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) in torch.bmm(cxh, rhs).tolist():
+            inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
+            if self.force_beta is None:
+                g = cg * inv_norm_c + b_g
+                beta = 2.0 / (1.0 + math.exp(-g)) if g >= 0 else 2.0 * math.exp(g) / (1.0 + math.exp(g))
+            else:
+                beta = float(self.force_beta)
+            if self.beta_log is not None:
+                self.beta_log.append(torch.tensor(beta))
+            v = (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / d)
+            m = self.scale
+            n_h = math.sqrt(hh * m * m + self.eps**2)
+            scales.append(1.0 + beta * (v - m * xh / n_h) / n_h)
+        scale = scales[0] if n == 1 else torch.tensor(scales).view(n, 1, 1)
+        out = h * scale if h.dtype == torch.float32 else (h.float() * scale).to(h.dtype)
+        return out if out.shape == shape else out.view(shape)
 
 
 class _SiteCall:

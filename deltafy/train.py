@@ -107,7 +107,9 @@ def _refuse_site_modules(model, config, defaults) -> None:
     spec = model.config.deltafy
     for name, _ in model.get_submodule(spec["layers"]).named_children():
         for site in spec["sites"]:
-            watched = [site["write"]] + ([site["stream"]] if site.get("stream") and site.get("context") != "input" else [])
+            watched = [site["write"]]
+            if site.get("stream") and site.get("context") != "input":  # the heads read its output
+                watched.append(site["stream"])
             for module in watched:
                 if check_target_module_exists(config, f"{spec['layers']}.{name}.{module}"):
                     hint = f" (peft's default here: {','.join(defaults)})" if defaults else ""

@@ -571,9 +571,9 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
 # -- the single-token decode path ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1.0, 0.22])
-@pytest.mark.parametrize("shape", [(1, 1, D), (1, D)])
-def test_one_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
-    """Decoding (one token, no autograd, CPU) takes a scalar fast path: it must compute the same."""
+@pytest.mark.parametrize("shape", [(1, 1, D), (1, D), (4, 1, D), (2, 3, D), (16, D)])
+def test_few_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
+    """Decoding (a few tokens, no autograd, CPU) takes a scalar fast path: it must compute the same."""
     site = DeltaSite(D, scale=scale)
     with torch.no_grad():
         site.gate.weight.normal_()
@@ -586,6 +586,7 @@ def test_one_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
     x, c, h = x.to(dtype), c.to(dtype), h.to(dtype)
     with torch.no_grad():
         fast = site.correct(x, c, h)
+        assert torch.equal(site._correct_rows(x, c, h), fast)  # correct() took the fast path
         site.gate.bias.add_(0.25)  # the cached head weights must notice in-place updates
         fast_after_update = site.correct(x, c, h)
     with torch.enable_grad():
