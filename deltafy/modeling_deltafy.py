@@ -29,7 +29,8 @@ DELTAFY_FORMAT_VERSION = 1
 _STASH = threading.local()
 
 # Up to this many tokens (a decoding batch), a site's math runs on Python scalars; see _correct_rows.
-_FEW_ROWS = 16
+# Its buffer holds 5 * _FEW_ROWS * hidden_size floats per site and thread at most.
+_FEW_ROWS = 8
 
 
 def _stash() -> dict:

@@ -571,7 +571,7 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
 # -- the single-token decode path ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1.0, 0.22])
-@pytest.mark.parametrize("shape", [(1, 1, D), (1, D), (4, 1, D), (2, 3, D), (16, D)])
+@pytest.mark.parametrize("shape", [(1, 1, D), (1, D), (4, 1, D), (2, 3, D), (8, D)])
 def test_few_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
     """Decoding (a few tokens, no autograd, CPU) takes a scalar fast path: it must compute the same."""
     site = DeltaSite(D, scale=scale)
