@@ -602,3 +602,35 @@ def test_few_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
     site.force_beta = 0.0
     with torch.no_grad():
         assert torch.equal(site.correct(x, c, h), h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+@pytest.mark.parametrize("shape", [(1, 1, D), (1, D)])
+def test_learned_one_token_fast_path_matches_the_tensor_path(dtype, scale, shape):
+    """A low-rank learned direction decodes through u = down(c/|c|) and the cached up^T up."""
+    site = DeltaSite(D, direction="learned", rank=4, scale=scale)
+    with torch.no_grad():
+        for weight in (site.gate.weight, site.target.weight, site.direction.down.weight, site.direction.up.weight):
+            weight.normal_(generator=torch.Generator().manual_seed(weight.numel()))
+        site.gate.bias.fill_(-0.5)
+        site.target.bias.fill_(0.3)
+    site.to(dtype)
+    gen = torch.Generator().manual_seed(22)
+    x, c, h = (torch.randn(shape, generator=gen).mul(s).to(dtype) for s in (40.0, 1.0, 3.0))
+    with torch.no_grad():
+        fast = site.correct(x, c, h)
+        assert torch.equal(site._correct_learned_token(x, c, h), fast)  # correct() took the fast path
+        site.direction.up.weight.mul_(-1.0)  # the cached direction must notice in-place updates
+        fast_flipped = site.correct(x, c, h)
+        site.direction.up.weight.mul_(-1.0)
+    with torch.enable_grad():
+        slow = site.correct(x, c, h)
+    assert fast.dtype == dtype and fast.shape == h.shape
+    assert (slow.float() - h.float()).abs().max() > 1.0  # the heads matter
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fast.float(), slow.float(), **tol)
+    assert not torch.equal(fast, fast_flipped)
+    site.force_beta = 0.0
+    with torch.no_grad():
+        assert torch.equal(site.correct(x, c, h), h)
