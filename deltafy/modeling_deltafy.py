@@ -1,7 +1,8 @@
 # Deep Delta Learning residuals for pretrained Hugging Face decoders.
 #
 # This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
-# lines that bind it to the base model class. It must import only torch and transformers.
+# lines that bind it to the base model class, and next to modeling_deltafy_decode.py. Both must
+# import only torch and transformers.
 #
 # Every residual write x <- x + h becomes
 #
@@ -13,38 +14,25 @@
 # The gate bias starts very negative, so a fresh conversion behaves like the original model.
 from __future__ import annotations
 
-import math
-import operator
 import threading
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modeling_deltafy_decode import FEW_ROWS, DecodePaths
+
 DELTAFY_FORMAT_VERSION = 1
 
-# Stream/context tensors travel from the capture step to the write step of one site, and decoding
-# reuses a small buffer per site. Both are kept per thread so that concurrent forwards on one model
-# instance never see each other's.
+# Stream/context tensors travel from the capture step to the write step of one site. They are
+# kept per thread so that concurrent forwards on one model instance never see each other's.
 _STASH = threading.local()
-
-# Up to this many tokens (a decoding batch), a site's math runs on Python scalars; see _correct_rows.
-# Its buffer holds 5 * _FEW_ROWS * hidden_size floats per site and thread at most.
-_FEW_ROWS = 8
 
 
 def _stash() -> dict:
     store = getattr(_STASH, "sites", None)
     if store is None:
         store = _STASH.sites = {}
-    return store
-
-
-def _buffers() -> weakref.WeakKeyDictionary:
-    store = getattr(_STASH, "buffers", None)
-    if store is None:
-        store = _STASH.buffers = weakref.WeakKeyDictionary()
     return store
 
 
@@ -83,7 +71,7 @@ class DeltaDirection(nn.Module):
         return F.linear(F.linear(c, self.down.weight.to(c.dtype)), self.up.weight.to(c.dtype))
 
 
-class DeltaSite(nn.Module):
+class DeltaSite(DecodePaths, nn.Module):
     """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
 
     Attached to the decoder layer as ``layer.delta[site]``; its two steps run inside the layer's
@@ -156,7 +144,7 @@ class DeltaSite(nn.Module):
         # Written for few kernel launches: at decode time on CPU the cost is dispatch, not math.
         # (Under torch.compile the tensor path below fuses instead; the scalar path would break the graph.)
         if h.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            if self.direction is None and h.numel() <= _FEW_ROWS * h.shape[-1]:
+            if self.direction is None and h.numel() <= FEW_ROWS * h.shape[-1]:
                 return self._correct_rows(x, c, h)
             one_token = h.numel() == h.shape[-1] and h.dim() in (2, 3)
             if self.direction is not None and self.direction.rank is not None and one_token:
@@ -194,103 +182,6 @@ class DeltaSite(nn.Module):
             coef = beta * (v - torch.linalg.vecdot(k, x))
             out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
         return out.to(dtype)
-
-    def _beta_and_target(self, cc: float, cg: float, cv: float, xx: float, b_g: float, b_v: float):
-        """beta and v of one token from its dot products (c.c, c.w_gate, c.w_target, x.x), in floats."""
-        inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
-        if self.force_beta is None:
-            g = cg * inv_norm_c + b_g
-            beta = 2.0 / (1.0 + math.exp(-g)) if g >= 0 else 2.0 * math.exp(g) / (1.0 + math.exp(g))
-        else:
-            beta = float(self.force_beta)
-        if self.beta_log is not None:
-            self.beta_log.append(torch.tensor(beta))
-        return beta, (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size)
-
-    def _decode_rows(self, n: int):
-        """This thread's fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate
-        weight; target weight], the head rows (and biases, as floats) refreshed whenever a head
-        weight changes."""
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
-        key = (
-            w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(),
-            b_g._version, b_g.data_ptr(), b_v._version, b_v.data_ptr(), n,
-        )  # fmt: skip
-        buffers = _buffers()
-        cached = buffers.get(self)
-        if cached is None or cached[0] != key:
-            rows = torch.empty(n, 5, self.hidden_size, dtype=torch.float32)
-            rows[:, 3:].copy_(torch.cat((w_g, w_v)).detach())
-            # (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5), gate bias, target bias)
-            cached = buffers[self] = (key, rows[:, :3], rows.mT, float(b_g), float(b_v))
-        return cached[1:]
-
-    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``correct`` for a few tokens without autograd on CPU (decoding): the same math with the
-        per-token scalars in Python. Every dot product of a token comes from one batched Gram
-        matmul over a reused buffer, so a site costs three small kernels instead of ~25."""
-        d = self.hidden_size
-        n = h.numel() // d
-        cxh, rhs, b_g, b_v = self._decode_rows(n)
-        shape = h.shape
-        if h.dim() != 3 or shape[1] != 1:  # decoding gives (batch, 1, d) already
-            x, c, h = x.reshape(n, 1, d), c.reshape(n, 1, d), h.reshape(n, 1, d)
-        torch.cat((c, x, h), 1, out=cxh)
-        scales = []
-        m = self.scale
-        for (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) in torch.bmm(cxh, rhs).tolist():
-            beta, v = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
-            n_h = math.sqrt(hh * m * m + self.eps**2)
-            scales.append(1.0 + beta * (v - m * xh / n_h) / n_h)
-        scale = scales[0] if n == 1 else torch.tensor(scales).view(n, 1, 1)
-        out = h * scale if h.dtype == torch.float32 else (h.float() * scale).to(h.dtype)
-        return out if out.shape == shape else out.view(shape)
-
-    def _learned_rows(self, h: torch.Tensor):
-        """This thread's fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T
-        (r rows)] for decoding one token with a low-rank learned direction, where up = Q R."""
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        direction = self._modules["direction"]._modules
-        down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
-        w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
-        key = (
-            w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(), b_g._version, b_g.data_ptr(),
-            b_v._version, b_v.data_ptr(), down._version, down.data_ptr(), up._version, up.data_ptr(), h.dim(),
-        )  # fmt: skip
-        buffers = _buffers()
-        cached = buffers.get(self)
-        if cached is None or cached[0] != key:
-            w_g, w_v, down, up = (w.detach().float() for w in (w_g, w_v, down, up))
-            # |up u| = |R u|: the direction's squared norm becomes a sum of r squares, not a quadratic form
-            r_down = torch.linalg.qr(up).R @ down
-            rows = torch.cat((torch.empty(2, self.hidden_size, dtype=torch.float32), w_g, w_v, down, r_down, up.t()))
-            r, batch = down.shape[0], (1,) * (h.dim() - 2)
-            gram = torch.empty(2, rows.shape[0])
-            # (c/x rows in h's shape, Gram lhs, Gram rhs, Gram output, its c.down entries and up^T,
-            # both shaped for (b)addmm against h, rank, gate bias, target bias)
-            views = (rows[:2].view((2,) + h.shape[1:]), rows[:2], rows.t(), gram)
-            views += (gram[:1, 4 : 4 + r].view(batch + (1, r)), rows[4 + 2 * r :].view(batch + (r, -1)))
-            cached = buffers[self] = (key,) + views + (r, float(b_g), float(b_v))
-        return cached[1:]
-
-    def _correct_learned_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``correct`` for one token without autograd on CPU, low-rank learned direction. With
-        u = down(c/|c|) and k_raw = up u, every scalar the math needs (u, |k_raw|^2, k_raw.x) comes
-        from one matmul over a reused buffer, and the write h + up (u s) is one more kernel."""
-        cx, lhs, rhs, gram, c_down, up_t, r, b_g, b_v = self._learned_rows(h)
-        torch.cat((c, x), out=cx)
-        (cc, _, cg, cv, *c_heads), (_, xx, _, _, *x_heads) = torch.mm(lhs, rhs, out=gram).tolist()
-        beta, v = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
-        inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
-        kk = sum(value * value for value in c_heads[r : 2 * r]) * inv_norm_c * inv_norm_c
-        inv_k = 1.0 / math.sqrt(kk + self.eps**2)
-        kx = inv_k * inv_norm_c * sum(map(operator.mul, c_heads[:r], x_heads[2 * r :]))
-        # h + k coef / m with k = up u / |up u| and u = down c / |c|: one (b)addmm on the buffer
-        alpha = beta * (v - kx) * inv_k * inv_norm_c / self.scale
-        h32 = h if h.dtype == torch.float32 else h.float()
-        out = (torch.baddbmm if h.dim() == 3 else torch.addmm)(h32, c_down, up_t, alpha=alpha)
-        return out if out.dtype == h.dtype else out.to(h.dtype)
 
 
 class _SiteCall:

@@ -27,7 +27,7 @@ from conftest import DELTAFY_FREE_PREAMBLE, tiny_model
 from safetensors import safe_open
 
 import deltafy
-from deltafy.checkpoint import MODELING_FILE
+from deltafy.checkpoint import DECODE_FILE, MODELING_FILE
 from deltafy.modeling_deltafy import delta_sites
 from deltafy.pipeline import convert_source
 
@@ -374,13 +374,17 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     generated = text[len(core) :]
     assert "from transformers import Gemma2Config, Gemma2ForCausalLM" in generated
     assert "DeltafyConfig, DeltafyForCausalLM = deltafy_classes(Gemma2Config, Gemma2ForCausalLM)" in generated
-    imported = set()
-    for node in ast.walk(ast.parse(text)):
+    decode = (out / DECODE_FILE).read_text()
+    assert decode == Path(deltafy.modeling_deltafy_decode.__file__).read_text()
+    imported, relative = set(), set()
+    for node in ast.walk(ast.parse(text + "\n" + decode)):
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            relative.add(node.module)  # transformers copies such siblings along with the modeling file
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative import in the checkpoint's modeling file"
             imported.add(node.module.split(".")[0])
+    assert relative == {DECODE_FILE.removesuffix(".py")}
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}
     assert third_party == {"torch", "transformers"}
     config = json.loads((out / "config.json").read_text())
