@@ -144,10 +144,10 @@ class DeltaSite(DecodePaths, nn.Module):
         # Written for few kernel launches: at decode time on CPU the cost is dispatch, not math.
         # (Under torch.compile the tensor path below fuses instead; the scalar path would break the graph.)
         if h.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            if self.direction is None and h.numel() <= FEW_ROWS * h.shape[-1]:
-                return self._correct_rows(x, c, h)
-            one_token = h.numel() == h.shape[-1] and h.dim() in (2, 3)
-            if self.direction is not None and self.direction.rank is not None and one_token:
+            if self.direction is None:
+                if h.numel() <= FEW_ROWS * h.shape[-1]:
+                    return self._correct_rows(x, c, h)
+            elif self.direction.rank is not None and h.numel() == h.shape[-1] and h.dim() in (2, 3):
                 return self._correct_learned_token(x, c, h)
         dtype = h.dtype
         if dtype != torch.float32:

@@ -30,8 +30,20 @@ def _buffers() -> weakref.WeakKeyDictionary:
 class DecodePaths:
     """Mixed into DeltaSite, whose parameters (gate, target, direction) and settings these read."""
 
+    def _cached(self, params: tuple, extra, build):
+        """This thread's ``build(*float32 params)`` for this site, built again whenever one of
+        ``params`` changes (in place, or replaced by ``.to()``/``load_state_dict``) or ``extra`` does."""
+        key = [extra]
+        for param in params:
+            key += (param._version, param.data_ptr())
+        buffers = _buffers()
+        cached = buffers.get(self)
+        if cached is None or cached[0] != key:
+            cached = buffers[self] = (key, build(*(param.detach().float() for param in params)))
+        return cached[1]
+
     def _beta_and_target(self, cc: float, cg: float, cv: float, xx: float, b_g: float, b_v: float):
-        """beta and v of one token from its dot products (c.c, c.w_gate, c.w_target, x.x), in floats."""
+        """beta, v and 1/|c| of one token from its dot products (c.c, c.w_gate, c.w_target, x.x)."""
         inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
         if self.force_beta is None:
             g = cg * inv_norm_c + b_g
@@ -40,26 +52,20 @@ class DecodePaths:
             beta = float(self.force_beta)
         if self.beta_log is not None:
             self.beta_log.append(torch.tensor(beta))
-        return beta, (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size)
+        return beta, (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size), inv_norm_c
 
     def _decode_rows(self, n: int):
-        """This thread's fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate
-        weight; target weight], the head rows (and biases, as floats) refreshed whenever a head
-        weight changes."""
+        """The fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate weight;
+        target weight]. Returns (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5),
+        gate bias, target bias)."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
-        key = (
-            w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(),
-            b_g._version, b_g.data_ptr(), b_v._version, b_v.data_ptr(), n,
-        )  # fmt: skip
-        buffers = _buffers()
-        cached = buffers.get(self)
-        if cached is None or cached[0] != key:
+
+        def build(w_g, w_v, b_g, b_v):
             rows = torch.empty(n, 5, self.hidden_size, dtype=torch.float32)
-            rows[:, 3:].copy_(torch.cat((w_g, w_v)).detach())
-            # (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5), gate bias, target bias)
-            cached = buffers[self] = (key, rows[:, :3], rows.mT, float(b_g), float(b_v))
-        return cached[1:]
+            rows[:, 3:].copy_(torch.cat((w_g, w_v)))
+            return rows[:, :3], rows.mT, float(b_g), float(b_v)
+
+        return self._cached((gate["weight"], target["weight"], gate["bias"], target["bias"]), n, build)
 
     def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for a few tokens without autograd on CPU (decoding): the same math with the
@@ -75,7 +81,7 @@ class DecodePaths:
         scales = []
         m = self.scale
         for (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) in torch.bmm(cxh, rhs).tolist():
-            beta, v = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
+            beta, v, _ = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
             n_h = math.sqrt(hh * m * m + self.eps**2)
             scales.append(1.0 + beta * (v - m * xh / n_h) / n_h)
         scale = scales[0] if n == 1 else torch.tensor(scales).view(n, 1, 1)
@@ -83,31 +89,26 @@ class DecodePaths:
         return out if out.shape == shape else out.view(shape)
 
     def _learned_rows(self, h: torch.Tensor):
-        """This thread's fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T
-        (r rows)] for decoding one token with a low-rank learned direction, where up = Q R."""
+        """The fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T (r rows)]
+        for decoding one token with a low-rank learned direction, where up = Q R."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         direction = self._modules["direction"]._modules
         down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
-        w_g, w_v, b_g, b_v = gate["weight"], target["weight"], gate["bias"], target["bias"]
-        key = (
-            w_g._version, w_g.data_ptr(), w_v._version, w_v.data_ptr(), b_g._version, b_g.data_ptr(),
-            b_v._version, b_v.data_ptr(), down._version, down.data_ptr(), up._version, up.data_ptr(), h.dim(),
-        )  # fmt: skip
-        buffers = _buffers()
-        cached = buffers.get(self)
-        if cached is None or cached[0] != key:
-            w_g, w_v, down, up = (w.detach().float() for w in (w_g, w_v, down, up))
+
+        def build(w_g, w_v, down, up, b_g, b_v):
             # |up u| = |R u|: the direction's squared norm becomes a sum of r squares, not a quadratic form
             r_down = torch.linalg.qr(up).R @ down
             rows = torch.cat((torch.empty(2, self.hidden_size, dtype=torch.float32), w_g, w_v, down, r_down, up.t()))
             r, batch = down.shape[0], (1,) * (h.dim() - 2)
-            gram = torch.empty(2, rows.shape[0])
+            gram = torch.empty(2, rows.shape[0], dtype=torch.float32)
             # (c/x rows in h's shape, Gram lhs, Gram rhs, Gram output, its c.down entries and up^T,
             # both shaped for (b)addmm against h, rank, gate bias, target bias)
             views = (rows[:2].view((2,) + h.shape[1:]), rows[:2], rows.t(), gram)
             views += (gram[:1, 4 : 4 + r].view(batch + (1, r)), rows[4 + 2 * r :].view(batch + (r, -1)))
-            cached = buffers[self] = (key,) + views + (r, float(b_g), float(b_v))
-        return cached[1:]
+            return views + (r, float(b_g), float(b_v))
+
+        params = (gate["weight"], target["weight"], down, up, gate["bias"], target["bias"])
+        return self._cached(params, h.dim(), build)
 
     def _correct_learned_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for one token without autograd on CPU, low-rank learned direction. With
@@ -116,8 +117,7 @@ class DecodePaths:
         cx, lhs, rhs, gram, c_down, up_t, r, b_g, b_v = self._learned_rows(h)
         torch.cat((c, x), out=cx)
         (cc, _, cg, cv, *c_heads), (_, xx, _, _, *x_heads) = torch.mm(lhs, rhs, out=gram).tolist()
-        beta, v = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
-        inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
+        beta, v, inv_norm_c = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
         kk = sum(value * value for value in c_heads[r : 2 * r]) * inv_norm_c * inv_norm_c
         inv_k = 1.0 / math.sqrt(kk + self.eps**2)
         kx = inv_k * inv_norm_c * sum(map(operator.mul, c_heads[:r], x_heads[2 * r :]))

@@ -81,7 +81,8 @@ def _with_lora(model, options: TrainOptions):
     from peft import LoraConfig, get_peft_model
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
 
-    targets = options.lora_targets or TARGETS.get(model.config.deltafy["base_model_type"])
+    defaults = TARGETS.get(model.config.deltafy["base_model_type"])
+    targets = options.lora_targets or defaults
     if not targets:
         raise DeltafyError("peft has no default LoRA targets for this family; pass --lora-targets")
     config = LoraConfig(
@@ -92,7 +93,7 @@ def _with_lora(model, options: TrainOptions):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    _refuse_site_modules(model, config, TARGETS.get(model.config.deltafy["base_model_type"]))
+    _refuse_site_modules(model, config, defaults)
     try:
         return get_peft_model(model, config)
     except ValueError as err:
