@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +101,27 @@ except ImportError:
 else:
     raise SystemExit("deltafy is importable in the child process")
 """
+
+
+def run_deltafy_free(child: str, args: list[str], cwd: Path) -> dict:
+    """Run ``child`` (which starts with DELTAFY_FREE_PREAMBLE) in `python -I` with ``args`` and the
+    path of a result file appended; return the dict it saved there, once sure no deltafy module
+    was loaded in it. Remote code is cached under ``cwd``."""
+    result_file = cwd / "child-results.pt"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(cwd / "hf_modules"), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", child, *args, str(result_file)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = torch.load(result_file, weights_only=True)
+    assert data["deltafy_modules"] == [], f"the child imported deltafy: {data['deltafy_modules']}"
+    return data
 
 
 @pytest.fixture(scope="session")

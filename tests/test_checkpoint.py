@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import DELTAFY_FREE_PREAMBLE, tiny_model
+from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free, tiny_model
 from safetensors import safe_open
 
 import deltafy
@@ -97,28 +96,9 @@ torch.save({"results": results, "deltafy_modules": loaded}, result_file)
 )
 
 
-def child_env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "hf_modules"), TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def run_child(jobs: list[dict], cwd: Path) -> dict:
     """Load each job's checkpoint with plain transformers in a deltafy-free subprocess."""
-    result_file = cwd / "child-results.pt"
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, json.dumps(jobs), str(result_file)],
-        cwd=cwd,
-        env=child_env(cwd),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    data = torch.load(result_file, weights_only=True)
-    assert data["deltafy_modules"] == [], f"the child imported deltafy: {data['deltafy_modules']}"
-    return data["results"]
+    return run_deltafy_free(CHILD, [json.dumps(jobs)], cwd)["results"]
 
 
 @torch.no_grad()

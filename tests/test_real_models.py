@@ -8,13 +8,10 @@ first run pays for reading the GGUF file.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import DELTAFY_FREE_PREAMBLE
+from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free
 
 import deltafy
 from deltafy.errors import DeltafyError
@@ -90,22 +87,7 @@ def test_smollm2_checkpoint_reloads_without_deltafy(smollm):
     root, out, _ = smollm
     assert (out / "generation_config.json").is_file()
     assert (out / "tokenizer.json").is_file() or (out / "tokenizer.model").is_file()
-    result_file = root / "child.pt"
-    env = dict(
-        os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / "hf_modules"), TOKENIZERS_PARALLELISM="false"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, str(out), TEXT, str(NEW_TOKENS), str(result_file)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(result_file, weights_only=True)
-    assert got["deltafy_modules"] == []
+    got = run_deltafy_free(CHILD, [str(out), TEXT, str(NEW_TOKENS)], root)
     assert got["class"] == "DeltafyForCausalLM" and got["module"].startswith("transformers_modules")
     assert got["sites"] == 60  # 30 layers x (attn, mlp)
     assert torch.equal(got["plain_ids"], got["ids"])  # AutoTokenizer works without trust_remote_code too
