@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import modeling_deltafy, modeling_deltafy_decode
+from . import modeling_deltafy, modeling_deltafy_inference
 from .errors import DeltafyError
 from .recipe import Recipe
 from .sources import _quiet_transformers, _restore_transformers
 
 MODELING_FILE = "modeling_deltafy.py"
-DECODE_FILE = "modeling_deltafy_decode.py"  # imported by MODELING_FILE, copied verbatim
+INFERENCE_FILE = "modeling_deltafy_inference.py"  # imported by MODELING_FILE, copied verbatim
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
 
 
@@ -229,7 +229,7 @@ def save(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class))
-        (tmp / DECODE_FILE).write_text(Path(modeling_deltafy_decode.__file__).read_text())
+        (tmp / INFERENCE_FILE).write_text(Path(modeling_deltafy_inference.__file__).read_text())
         (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

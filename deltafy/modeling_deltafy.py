@@ -1,7 +1,7 @@
 # Deep Delta Learning residuals for pretrained Hugging Face decoders.
 #
 # This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
-# lines that bind it to the base model class, and next to modeling_deltafy_decode.py. Both must
+# lines that bind it to the base model class, and next to modeling_deltafy_inference.py. Both must
 # import only torch and transformers.
 #
 # Every residual write x <- x + h becomes
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modeling_deltafy_decode import FEW_ROWS, DecodePaths
+from .modeling_deltafy_inference import FEW_ROWS, InferencePaths
 
 DELTAFY_FORMAT_VERSION = 1
 
@@ -71,7 +71,7 @@ class DeltaDirection(nn.Module):
         return F.linear(F.linear(c, self.down.weight.to(c.dtype)), self.up.weight.to(c.dtype))
 
 
-class DeltaSite(DecodePaths, nn.Module):
+class DeltaSite(InferencePaths, nn.Module):
     """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
 
     Attached to the decoder layer as ``layer.delta[site]``; its two steps run inside the layer's
@@ -141,13 +141,14 @@ class DeltaSite(DecodePaths, nn.Module):
     # -- math --------------------------------------------------------------------------------
     def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
-        # Written for few kernel launches: at decode time on CPU the cost is dispatch, not math.
-        # (Under torch.compile the tensor path below fuses instead; the scalar path would break the graph.)
-        if h.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
+        # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if self.direction is None:
-                if h.numel() <= FEW_ROWS * h.shape[-1]:
+                if h.is_cpu and h.numel() <= FEW_ROWS * h.shape[-1]:
                     return self._correct_rows(x, c, h)
-            elif self.direction.rank is not None and h.numel() == h.shape[-1] and h.dim() in (2, 3):
+                return self._correct_tokens(x, c, h)
+            if h.is_cpu and self.direction.rank is not None and h.numel() == h.shape[-1] and h.dim() in (2, 3):
                 return self._correct_learned_token(x, c, h)
         dtype = h.dtype
         if dtype != torch.float32:

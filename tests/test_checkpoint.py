@@ -26,7 +26,7 @@ from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free, tiny_model
 from safetensors import safe_open
 
 import deltafy
-from deltafy.checkpoint import DECODE_FILE, MODELING_FILE
+from deltafy.checkpoint import INFERENCE_FILE, MODELING_FILE
 from deltafy.modeling_deltafy import delta_sites
 from deltafy.pipeline import convert_source
 
@@ -354,8 +354,8 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     generated = text[len(core) :]
     assert "from transformers import Gemma2Config, Gemma2ForCausalLM" in generated
     assert "DeltafyConfig, DeltafyForCausalLM = deltafy_classes(Gemma2Config, Gemma2ForCausalLM)" in generated
-    decode = (out / DECODE_FILE).read_text()
-    assert decode == Path(deltafy.modeling_deltafy_decode.__file__).read_text()
+    decode = (out / INFERENCE_FILE).read_text()
+    assert decode == Path(deltafy.modeling_deltafy_inference.__file__).read_text()
     imported, relative = set(), set()
     for node in ast.walk(ast.parse(text + "\n" + decode)):
         if isinstance(node, ast.Import):
@@ -364,7 +364,7 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
             relative.add(node.module)  # transformers copies such siblings along with the modeling file
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
-    assert relative == {DECODE_FILE.removesuffix(".py")}
+    assert relative == {INFERENCE_FILE.removesuffix(".py")}
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}
     assert third_party == {"torch", "transformers"}
     config = json.loads((out / "config.json").read_text())

@@ -98,7 +98,7 @@ def test_convert_local_folder(converted):
         "config.json",
         "model.safetensors",
         "modeling_deltafy.py",
-        "modeling_deltafy_decode.py",
+        "modeling_deltafy_inference.py",
         "README.md",
         "recipe.yaml",
         "generation_config.json",

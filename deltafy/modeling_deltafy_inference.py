@@ -1,7 +1,11 @@
-# CPU decoding paths of deltafy's DDL residual: the same math as DeltaSite.correct for a few
-# tokens without autograd, with the per-token scalars in Python floats. Decoding on CPU is bound by
-# per-call overhead, so each path gathers what it needs into a reused per-thread buffer and takes
-# every dot product from one matmul: three or four small kernels a site instead of ~25.
+# Inference paths of deltafy's DDL residual: the same math as DeltaSite.correct's tensor path,
+# for forwards without autograd, written for less work than the differentiable version.
+#
+# - Decoding on CPU (a few tokens) is bound by per-call overhead: each path gathers what it needs
+#   into a reused per-thread buffer, takes every dot product from one matmul and keeps the per-token
+#   scalars in Python floats, three or four small kernels a site instead of ~25.
+# - Many tokens (prefill, scoring) are bound by memory traffic: every full-width tensor is read as
+#   few times as possible and the output is the only full-width allocation.
 #
 # Copied verbatim into every checkpoint next to modeling_deltafy.py; imports only torch.
 from __future__ import annotations
@@ -27,19 +31,22 @@ def _buffers() -> weakref.WeakKeyDictionary:
     return store
 
 
-class DecodePaths:
+class InferencePaths:
     """Mixed into DeltaSite, whose parameters (gate, target, direction) and settings these read."""
 
-    def _cached(self, params: tuple, extra, build):
-        """This thread's ``build(*float32 params)`` for this site, built again whenever one of
-        ``params`` changes (in place, or replaced by ``.to()``/``load_state_dict``) or ``extra`` does."""
-        key = [extra]
+    def _cached(self, params: tuple, slot, build):
+        """This thread's ``build(*float32 params)`` for this site and ``slot`` (the path and shape it
+        serves), built again whenever one of ``params`` changes (in place, or replaced by
+        ``.to()``/``load_state_dict``)."""
+        key = []
         for param in params:
             key += (param._version, param.data_ptr())
-        buffers = _buffers()
-        cached = buffers.get(self)
+        slots = _buffers().get(self)
+        if slots is None:
+            slots = _buffers()[self] = {}
+        cached = slots.get(slot)
         if cached is None or cached[0] != key:
-            cached = buffers[self] = (key, build(*(param.detach().float() for param in params)))
+            cached = slots[slot] = (key, build(*(param.detach().float() for param in params)))
         return cached[1]
 
     def _beta_and_target(self, cc: float, cg: float, cv: float, xx: float, b_g: float, b_v: float):
@@ -54,6 +61,42 @@ class DecodePaths:
             self.beta_log.append(torch.tensor(beta))
         return beta, (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size), inv_norm_c
 
+    def _correct_tokens(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``correct`` for a sublayer direction without autograd, any number of tokens. Each of c, x
+        and h is read by one norm, the heads are matrix-vector products, h*x is summed in the buffer
+        that then receives the output, and the per-token arithmetic is folded into few kernels."""
+        shape, dtype, d = h.shape, h.dtype, self.hidden_size
+        if dtype != torch.float32:
+            x, c, h = x.float(), c.float(), h.float()
+        x, c, h = x.reshape(-1, d), c.reshape(-1, d), h.reshape(-1, d)
+        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
+        w_g, w_v, b_g, b_v = self._cached(
+            (gate["weight"], target["weight"], gate["bias"], target["bias"]),
+            ("tokens",),
+            lambda w_g, w_v, b_g, b_v: (w_g[0], w_v[0], b_g, b_v),
+        )
+        norm = torch.linalg.vector_norm
+        inv_norm_c = norm(c, dim=-1).square_().add_(1e-6).rsqrt_()
+        # sqrt(d) * v * rms(x), with rms(x) = |x| / sqrt(d) (the tensor path's clamp only guards a gradient)
+        v = torch.addcmul(b_v, c.mv(w_v), inv_norm_c).mul_(norm(x, dim=-1))
+        m, root_d = self.scale, math.sqrt(d)
+        n = norm(h, dim=-1).square_().mul_(m * m).add_(self.eps**2).sqrt_()
+        out = torch.mul(h, x)
+        # gain = beta (v rms(x) - m h.x / n) / n, where beta = 2 sigmoid(g) and the 2 and the sqrt(d)
+        # fold into the write's coefficient below
+        gain = torch.addcdiv(v, out.sum(-1), n, value=-m * root_d).div_(n)
+        if self.force_beta is None:
+            half_beta = torch.addcmul(b_g, c.mv(w_g), inv_norm_c).sigmoid_()
+            if self.beta_log is not None:
+                self.beta_log.append(half_beta.mean() * 2.0)
+            gain.mul_(half_beta)
+        else:
+            if self.beta_log is not None:
+                self.beta_log.append(torch.tensor(float(self.force_beta)))
+            gain.mul_(float(self.force_beta) / 2.0)
+        torch.addcmul(h, h, gain.unsqueeze(-1), value=2.0 / root_d, out=out)
+        return out.view(shape) if dtype == torch.float32 else out.view(shape).to(dtype)
+
     def _decode_rows(self, n: int):
         """The fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate weight;
         target weight]. Returns (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5),
@@ -65,7 +108,7 @@ class DecodePaths:
             rows[:, 3:].copy_(torch.cat((w_g, w_v)))
             return rows[:, :3], rows.mT, float(b_g), float(b_v)
 
-        return self._cached((gate["weight"], target["weight"], gate["bias"], target["bias"]), n, build)
+        return self._cached((gate["weight"], target["weight"], gate["bias"], target["bias"]), ("rows", n), build)
 
     def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for a few tokens without autograd on CPU (decoding): the same math with the
@@ -108,7 +151,7 @@ class DecodePaths:
             return views + (r, float(b_g), float(b_v))
 
         params = (gate["weight"], target["weight"], down, up, gate["bias"], target["bias"])
-        return self._cached(params, h.dim(), build)
+        return self._cached(params, ("learned", h.dim()), build)
 
     def _correct_learned_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for one token without autograd on CPU, low-rank learned direction. With
