@@ -11,7 +11,8 @@ token at a time (alternating which goes first), so that the drift of a shared ma
 alike; this times the model's decode step itself, without generate()'s bookkeeping, which would
 only dilute the difference. Both models are deep copies of one loaded model, so neither gets a luckier
 memory layout. "ratio" is converted/original tokens/s over all rounds (or tokens), "median" the
-median of the per-round (per-token) ratios. Targets: prefill >= 0.95, decode >= 0.93.
+median of the per-round (per-token) ratios and "quartiles" their middle half, which shows how
+much a shared machine's noise moved them. Targets: prefill >= 0.95, decode >= 0.93.
 """
 
 from __future__ import annotations
@@ -92,19 +93,20 @@ def decode(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> 
     return times
 
 
-def summarize(times: dict[str, list[float]], tokens_per_step: int) -> tuple[float, float, float, float]:
-    """(original tok/s, converted tok/s, ratio of those, median of the per-step ratios)."""
+def summarize(times: dict[str, list[float]], tokens_per_step: int) -> tuple[float, float, float, float, str]:
+    """(original tok/s, converted tok/s, ratio of those, median and quartiles of the per-step ratios)."""
     orig, conv = times["original"], times["converted"]
     orig_speed, conv_speed = tokens_per_step * len(orig) / sum(orig), tokens_per_step * len(conv) / sum(conv)
-    median = statistics.median(o / c for o, c in zip(orig, conv, strict=True))
-    return orig_speed, conv_speed, conv_speed / orig_speed, median
+    ratios = [o / c for o, c in zip(orig, conv, strict=True)]
+    low, median, high = statistics.quantiles(ratios, n=4)
+    return orig_speed, conv_speed, conv_speed / orig_speed, median, f"{low:.3f}-{high:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,gpt2")
     parser.add_argument("--recipe", default="ddl-scalar")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -113,7 +115,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gates = "open gates" if args.open_gates else "gates at init"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, {args.recipe}, {gates}")
-    print(f"{'model':10s} {'phase':8s} {'original tok/s':>15s} {'converted tok/s':>16s} {'ratio':>7s} {'median':>7s}")
+    print(
+        f"{'model':10s} {'phase':8s} {'original tok/s':>15s} {'converted tok/s':>16s} {'ratio':>7s} {'median':>7s}"
+        f" {'quartiles':>12s}"
+    )
     for name in args.models.split(","):
         loaded = load(name, dtype)
         models = {
@@ -131,8 +136,8 @@ def main() -> None:
             ("prefill", summarize(prefill(models, ids, args.rounds), ids.numel())),
             ("decode", summarize(decode(models, prompt, args.new_tokens, args.rounds), args.decode_batch)),
         ]
-        for phase, (o, c, ratio, median) in rows:
-            print(f"{name:10s} {phase:8s} {o:15.1f} {c:16.1f} {ratio:7.3f} {median:7.3f}", flush=True)
+        for phase, (o, c, ratio, median, quartiles) in rows:
+            print(f"{name:10s} {phase:8s} {o:15.1f} {c:16.1f} {ratio:7.3f} {median:7.3f} {quartiles:>12s}", flush=True)
         del models
 
 
