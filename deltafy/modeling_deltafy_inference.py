@@ -77,13 +77,14 @@ class InferencePaths:
         )
         norm = torch.linalg.vector_norm
         inv_norm_c = norm(c, dim=-1).square_().add_(1e-6).rsqrt_()
-        # sqrt(d) * v * rms(x), with rms(x) = |x| / sqrt(d) (the tensor path's clamp only guards a gradient)
+        # The target in stream units is head * rms(x) = head * |x| / sqrt(d); this is sqrt(d) times it.
+        # (The tensor path clamps |x| away from 0 only to keep a gradient finite.)
         v = torch.addcmul(b_v, c.mv(w_v), inv_norm_c).mul_(norm(x, dim=-1))
         m, root_d = self.scale, math.sqrt(d)
         n = norm(h, dim=-1).square_().mul_(m * m).add_(self.eps**2).sqrt_()
         out = torch.mul(h, x)
-        # gain = beta (v rms(x) - m h.x / n) / n, where beta = 2 sigmoid(g) and the 2 and the sqrt(d)
-        # fold into the write's coefficient below
+        # The gain on h is beta (target - m h.x / n) / n with beta = 2 sigmoid(g); computed here
+        # sqrt(d) / 2 times too large, which the write's coefficient 2 / sqrt(d) undoes.
         gain = torch.addcdiv(v, out.sum(-1), n, value=-m * root_d).div_(n)
         if self.force_beta is None:
             half_beta = torch.addcmul(b_g, c.mv(w_g), inv_norm_c).sigmoid_()
