@@ -648,6 +648,27 @@ def test_many_token_inference_path_matches_the_tensor_path(dtype, scale, shape):
         torch.testing.assert_close(forced.float(), site.correct(x, c, h).float(), **tol)
 
 
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-learned"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, D), (2, 40, D)])
+def test_correction_stays_fp32_under_autocast(recipe, grad, shape):
+    """Mixed-precision training and inference run under autocast, which would put the heads' and
+    the Gram's matmuls in bf16; every path computes the correction as without autocast."""
+    spec = load_recipe(recipe)
+    site = DeltaSite(D, direction=spec.direction, rank=spec.rank)
+    with torch.no_grad():
+        for i, param in enumerate(site.parameters()):
+            param.normal_(generator=torch.Generator().manual_seed(i))
+    gen = torch.Generator().manual_seed(24)
+    x, c, h = (torch.randn(shape, generator=gen) * s for s in (400.0, 1.0, 3.0))
+    with torch.set_grad_enabled(grad):
+        plain = site.correct(x, c, h)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = site.correct(x, c, h)
+    assert (plain - h).abs().max() > 10.0  # the heads matter
+    torch.testing.assert_close(autocast, plain, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1.0, 0.22])
 @pytest.mark.parametrize("shape", [(1, 1, D), (1, D)])
