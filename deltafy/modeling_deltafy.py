@@ -141,9 +141,10 @@ class DeltaSite(InferencePaths, nn.Module):
     # -- math --------------------------------------------------------------------------------
     def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
-        if torch.is_autocast_enabled(h.device.type):
+        device = "cpu" if h.is_cpu else h.device.type  # (h.device costs more than the check itself)
+        if torch.is_autocast_enabled(device):
             # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.
-            with torch.autocast(h.device.type, enabled=False):
+            with torch.autocast(device, enabled=False):
                 return self.correct(x, c, h)
         # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
         # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
