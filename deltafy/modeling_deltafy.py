@@ -153,8 +153,10 @@ class DeltaSite(InferencePaths, nn.Module):
                 if h.is_cpu and h.numel() <= FEW_ROWS * h.shape[-1]:
                     return self._correct_rows(x, c, h)
                 return self._correct_tokens(x, c, h)
-            if h.is_cpu and self.direction.rank is not None and h.numel() == h.shape[-1] and h.dim() in (2, 3):
-                return self._correct_learned_token(x, c, h)
+            if self.direction.rank is not None:
+                if h.is_cpu and h.numel() == h.shape[-1] and h.dim() in (2, 3):
+                    return self._correct_learned_token(x, c, h)
+                return self._correct_learned_tokens(x, c, h)
         dtype = h.dtype
         if dtype != torch.float32:
             x, c, h = x.float(), c.float(), h.float()

@@ -170,3 +170,42 @@ class InferencePaths:
         h32 = h if h.dtype == torch.float32 else h.float()
         out = (torch.baddbmm if h.dim() == 3 else torch.addmm)(h32, c_down, up_t, alpha=alpha)
         return out if out.dtype == h.dtype else out.to(h.dtype)
+
+    def _correct_learned_tokens(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``correct`` for a low-rank learned direction without autograd, any number of tokens.
+        With u = down c (k is normalized, so c's scale folds into a per-token factor), one matmul
+        gives u and both heads, one gives up^T x, |up u| = |R u| needs only r-wide rows, and the
+        write h + up (u s) is one addmm: c and x are each read twice, h once."""
+        shape, dtype, d = h.shape, h.dtype, self.hidden_size
+        if dtype != torch.float32:
+            x, c, h = x.float(), c.float(), h.float()
+        x, c, h = x.reshape(-1, d), c.reshape(-1, d), h.reshape(-1, d)
+        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
+        direction = self._modules["direction"]._modules
+        down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
+
+        def build(w_g, w_v, down, up, b_g, b_v):
+            # (c's right-hand side [down^T | gate w | target w], up, R^T with up = QR, biases)
+            return torch.cat((down, w_g, w_v)).t().contiguous(), up, torch.linalg.qr(up).R.t(), b_g, b_v
+
+        params = (gate["weight"], target["weight"], down, up, gate["bias"], target["bias"])
+        heads, up, r_t, b_g, b_v = self._cached(params, ("learned tokens",), build)
+        r = up.shape[1]
+        norm = torch.linalg.vector_norm
+        inv_norm_c = norm(c, dim=-1).square_().add_(1e-6).rsqrt_()
+        projected = c @ heads
+        u, cg, cv = projected[:, :r], projected[:, r], projected[:, r + 1]
+        # k = up u s_k with s_k = 1 / sqrt(|up u|^2 + eps^2 |c|^2), the tensor path's k exactly
+        s_k = norm(u @ r_t, dim=-1).square_().add_(inv_norm_c.square().reciprocal_().mul_(self.eps**2)).rsqrt_()
+        kx = torch.linalg.vecdot(u, x @ up).mul_(s_k)
+        # target in stream units: head * rms(x) = head * |x| / sqrt(d) (the clamp only guards a gradient)
+        coef = torch.addcmul(b_v, cv, inv_norm_c).mul_(norm(x, dim=-1).mul_(d**-0.5)).sub_(kx)
+        if self.force_beta is None:
+            beta = torch.addcmul(b_g, cg, inv_norm_c).sigmoid_().mul_(2.0)
+        else:
+            beta = torch.full_like(coef, float(self.force_beta))
+        if self.beta_log is not None:
+            self.beta_log.append(beta.mean())
+        coef.mul_(beta).mul_(s_k).div_(self.scale)
+        out = torch.addmm(h, u * coef.unsqueeze(-1), up.t())
+        return out.view(shape) if dtype == torch.float32 else out.view(shape).to(dtype)

@@ -648,6 +648,49 @@ def test_many_token_inference_path_matches_the_tensor_path(dtype, scale, shape):
         torch.testing.assert_close(forced.float(), site.correct(x, c, h).float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+@pytest.mark.parametrize("shape", [(2, 37, D), (3, D), (4, 1, D)])
+def test_learned_many_token_inference_path_matches_the_tensor_path(dtype, scale, shape):
+    """Without autograd, a low-rank learned site over several tokens takes the rank-r path."""
+    site = DeltaSite(D, direction="learned", rank=4, scale=scale)
+    with torch.no_grad():
+        for weight in (site.gate.weight, site.target.weight, site.direction.down.weight, site.direction.up.weight):
+            weight.normal_(generator=torch.Generator().manual_seed(weight.numel()))
+        site.gate.bias.fill_(-0.5)
+        site.target.bias.fill_(0.3)
+    site.to(dtype)
+    gen = torch.Generator().manual_seed(25)
+    x, c, h = (torch.randn(shape, generator=gen).mul(s).to(dtype) for s in (40.0, 1.0, 3.0))
+    x.view(-1, D)[0].zero_()  # a zero stream row stays finite
+    site.beta_log = []
+    with torch.inference_mode():
+        fast = site.correct(x, c, h)
+        fast_beta, site.beta_log = torch.stack(site.beta_log).mean(), []
+        assert torch.equal(site._correct_learned_tokens(x, c, h), fast)  # correct() took this path
+        site.direction.up.weight.mul_(-1.0)  # the cached direction must notice in-place updates
+        fast_flipped = site.correct(x, c, h)
+        site.direction.up.weight.mul_(-1.0)
+        site.beta_log = []
+    with torch.enable_grad():
+        slow = site.correct(x, c, h)
+    (slow_beta,), site.beta_log = site.beta_log, None
+    assert fast.dtype == dtype and fast.shape == h.shape and torch.isfinite(fast).all()
+    assert (slow.float() - h.float()).abs().max() > 1.0  # the heads matter
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fast.float(), slow.float(), **tol)
+    torch.testing.assert_close(fast_beta.float(), slow_beta.float(), **tol)
+    assert not torch.equal(fast, fast_flipped)
+    site.force_beta = 0.0
+    with torch.no_grad():
+        assert torch.equal(site.correct(x, c, h), h)
+    site.force_beta = 0.5
+    with torch.no_grad():
+        forced = site.correct(x, c, h)
+    with torch.enable_grad():
+        torch.testing.assert_close(forced.float(), site.correct(x, c, h).float(), **tol)
+
+
 @pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-learned"])
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, D), (2, 40, D)])
