@@ -152,11 +152,11 @@ class DeltaSite(InferencePaths, nn.Module):
             if self.direction is None:
                 if h.is_cpu and h.numel() <= FEW_ROWS * h.shape[-1]:
                     return self._correct_rows(x, c, h)
-                return self._correct_tokens(x, c, h)
+                return self._correct_tokens(x, c, h).view(h.shape).to(h.dtype)
             if self.direction.rank is not None:
                 if h.is_cpu and h.numel() == h.shape[-1] and h.dim() in (2, 3):
                     return self._correct_learned_token(x, c, h)
-                return self._correct_learned_tokens(x, c, h)
+                return self._correct_learned_tokens(x, c, h).view(h.shape).to(h.dtype)
         dtype = h.dtype
         if dtype != torch.float32:
             x, c, h = x.float(), c.float(), h.float()

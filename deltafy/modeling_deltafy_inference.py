@@ -61,14 +61,31 @@ class InferencePaths:
             self.beta_log.append(torch.tensor(beta))
         return beta, (cv * inv_norm_c + b_v) * math.sqrt(max(xx, 1e-30) / self.hidden_size), inv_norm_c
 
+    def _token_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor):
+        """x, c, h as fp32 (tokens, d) rows for the many-token paths, and d. Those paths return
+        fp32 rows, which ``correct`` shapes and casts back like h."""
+        d = self.hidden_size
+        if h.dtype != torch.float32:
+            x, c, h = x.float(), c.float(), h.float()
+        return x.reshape(-1, d), c.reshape(-1, d), h.reshape(-1, d), d
+
+    def _token_betas(self, c: torch.Tensor, w_g: torch.Tensor | None, b_g: torch.Tensor, inv_norm_c: torch.Tensor):
+        """beta = 2 sigmoid(gate(c / |c|)) per token, logged as the tensor path logs it; ``c`` is
+        the rows of c with ``w_g`` the gate weight, or already their gate dot products (w_g None)."""
+        if self.force_beta is None:
+            c_gate = c if w_g is None else c.mv(w_g)
+            beta = torch.addcmul(b_g, c_gate, inv_norm_c).sigmoid_().mul_(2.0)
+        else:
+            beta = torch.full_like(inv_norm_c, float(self.force_beta))
+        if self.beta_log is not None:
+            self.beta_log.append(beta.mean())
+        return beta
+
     def _correct_tokens(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for a sublayer direction without autograd, any number of tokens. Each of c, x
         and h is read by one norm, the heads are matrix-vector products, h*x is summed in the buffer
         that then receives the output, and the per-token arithmetic is folded into few kernels."""
-        shape, dtype, d = h.shape, h.dtype, self.hidden_size
-        if dtype != torch.float32:
-            x, c, h = x.float(), c.float(), h.float()
-        x, c, h = x.reshape(-1, d), c.reshape(-1, d), h.reshape(-1, d)
+        x, c, h, d = self._token_rows(x, c, h)
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         w_g, w_v, b_g, b_v = self._cached(
             (gate["weight"], target["weight"], gate["bias"], target["bias"]),
@@ -83,20 +100,12 @@ class InferencePaths:
         m, root_d = self.scale, math.sqrt(d)
         n = norm(h, dim=-1).square_().mul_(m * m).add_(self.eps**2).sqrt_()
         out = torch.mul(h, x)
-        # The gain on h is beta (target - m h.x / n) / n with beta = 2 sigmoid(g); computed here
-        # sqrt(d) / 2 times too large, which the write's coefficient 2 / sqrt(d) undoes.
+        # The gain on h is beta (target - m h.x / n) / n; computed here sqrt(d) times too large,
+        # which the write's coefficient 1 / sqrt(d) undoes.
         gain = torch.addcdiv(v, out.sum(-1), n, value=-m * root_d).div_(n)
-        if self.force_beta is None:
-            half_beta = torch.addcmul(b_g, c.mv(w_g), inv_norm_c).sigmoid_()
-            if self.beta_log is not None:
-                self.beta_log.append(half_beta.mean() * 2.0)
-            gain.mul_(half_beta)
-        else:
-            if self.beta_log is not None:
-                self.beta_log.append(torch.tensor(float(self.force_beta)))
-            gain.mul_(float(self.force_beta) / 2.0)
-        torch.addcmul(h, h, gain.unsqueeze(-1), value=2.0 / root_d, out=out)
-        return out.view(shape) if dtype == torch.float32 else out.view(shape).to(dtype)
+        gain.mul_(self._token_betas(c, w_g, b_g, inv_norm_c))
+        torch.addcmul(h, h, gain.unsqueeze(-1), value=1.0 / root_d, out=out)
+        return out
 
     def _decode_rows(self, n: int):
         """The fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate weight;
@@ -176,10 +185,7 @@ class InferencePaths:
         With u = down c (k is normalized, so c's scale folds into a per-token factor), one matmul
         gives u and both heads, one gives up^T x, |up u| = |R u| needs only r-wide rows, and the
         write h + up (u s) is one addmm: c and x are each read twice, h once."""
-        shape, dtype, d = h.shape, h.dtype, self.hidden_size
-        if dtype != torch.float32:
-            x, c, h = x.float(), c.float(), h.float()
-        x, c, h = x.reshape(-1, d), c.reshape(-1, d), h.reshape(-1, d)
+        x, c, h, d = self._token_rows(x, c, h)
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         direction = self._modules["direction"]._modules
         down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
@@ -200,12 +206,5 @@ class InferencePaths:
         kx = torch.linalg.vecdot(u, x @ up).mul_(s_k)
         # target in stream units: head * rms(x) = head * |x| / sqrt(d) (the clamp only guards a gradient)
         coef = torch.addcmul(b_v, cv, inv_norm_c).mul_(norm(x, dim=-1).mul_(d**-0.5)).sub_(kx)
-        if self.force_beta is None:
-            beta = torch.addcmul(b_g, cg, inv_norm_c).sigmoid_().mul_(2.0)
-        else:
-            beta = torch.full_like(coef, float(self.force_beta))
-        if self.beta_log is not None:
-            self.beta_log.append(beta.mean())
-        coef.mul_(beta).mul_(s_k).div_(self.scale)
-        out = torch.addmm(h, u * coef.unsqueeze(-1), up.t())
-        return out.view(shape) if dtype == torch.float32 else out.view(shape).to(dtype)
+        coef.mul_(self._token_betas(cg, None, b_g, inv_norm_c)).mul_(s_k).div_(self.scale)
+        return torch.addmm(h, u * coef.unsqueeze(-1), up.t())
