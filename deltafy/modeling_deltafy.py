@@ -75,8 +75,8 @@ class DeltaSite(InferencePaths, nn.Module):
     """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
 
     Attached to the decoder layer as ``layer.delta[site]``; its two steps run inside the layer's
-    own modules: ``capture`` after the module whose input is the stream x, ``write`` after the
-    module whose output h is added to the stream.
+    own modules (see _SiteCall): the capture of x and c after the module whose input is the stream
+    x, ``correct`` after the module whose output h is added to the stream.
     """
 
     def __init__(
@@ -103,6 +103,7 @@ class DeltaSite(InferencePaths, nn.Module):
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
         self.force_beta: float | None = None  # set by tests and the self-check
         self.beta_log: list | None = None  # when a list, each forward appends its mean beta
+        self._heads_view = None  # numpy views of the heads for decoding, built on first use
         self.reset_parameters()
         # Our own init is final: transformers must not re-initialize these as missing weights.
         for module in self.modules():
@@ -117,41 +118,47 @@ class DeltaSite(InferencePaths, nn.Module):
         if self.direction is not None:
             self.direction.reset_parameters()
 
+    # The decode path reads the heads through numpy views of their tensors; these replace the tensors.
+    def _apply(self, *args, **kwargs):
+        self._heads_view = None
+        return super()._apply(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._heads_view = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):  # a copy (deepcopy, pickle) must view its own tensors
+        return {**super().__getstate__(), "_heads_view": None}
+
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, direction={self.direction_kind}, scale={self.scale}"
-
-    # -- the two steps of a site, run by _SiteCall around the modules' own forwards ---------------
-    def capture(self, args: tuple, kwargs: dict, output) -> None:
-        x = _first_tensor(args, kwargs)
-        c = x if self.context == "input" else (output[0] if isinstance(output, tuple) else output)
-        _stash()[id(self)] = (x, c)
-
-    def write(self, output):
-        try:
-            x, c = _stash().pop(id(self))
-        except KeyError:
-            raise RuntimeError(
-                "deltafy: a residual write ran before its stream was captured; the site map does "
-                "not match this model's layer code"
-            ) from None
-        if isinstance(output, tuple):
-            return (self.correct(x, c, output[0]),) + tuple(output[1:])
-        return self.correct(x, c, output)
 
     # -- math --------------------------------------------------------------------------------
     def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
+        # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
+        # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
+        # Decoding on CPU comes first and checks least: it is bound by per-call overhead.
+        if (
+            h.is_cpu
+            and h.dtype == torch.float32
+            and h.numel() <= FEW_ROWS * h.shape[-1]
+            and self.direction is None
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            heads = self._heads_view
+            if heads is None:
+                heads = self._heads_view = self._row_heads() or False
+            if heads and not x.requires_grad:  # (an input leaf may require grad under no_grad)
+                return self._correct_rows(x, c, h, heads)
         device = "cpu" if h.is_cpu else h.device.type  # (h.device costs more than the check itself)
         if torch.is_autocast_enabled(device):
             # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.
             with torch.autocast(device, enabled=False):
                 return self.correct(x, c, h)
-        # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
-        # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if self.direction is None:
-                if h.is_cpu and h.numel() <= FEW_ROWS * h.shape[-1]:
-                    return self._correct_rows(x, c, h)
                 return self._correct_tokens(x, c, h).view(h.shape).to(h.dtype)
             if self.direction.rank is not None:
                 if h.is_cpu and h.numel() == h.shape[-1] and h.dim() in (2, 3):
@@ -194,8 +201,9 @@ class DeltaSite(InferencePaths, nn.Module):
 
 class _SiteCall:
     """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
-    forward, then the capture step of every site whose stream it is and the write step of every
-    site whose write it is (OPT's post-LN attention is both).
+    forward, then the capture step of every site whose stream it is (x and c kept for the write)
+    and the write step of every site whose write it is (h replaced by ``site.correct(x, c, h)``);
+    OPT's post-LN attention is both.
 
     An instance attribute rather than forward hooks: a hooked call takes torch's slow call path
     (~4 us of Python per call, twice per site, which shows at decode time), while a module whose
@@ -215,10 +223,27 @@ class _SiteCall:
             output = type(self.module).forward(self.module, *args, **kwargs)
         else:
             output = self.inner(*args, **kwargs)
-        for site in self.captures:
-            site.capture(args, kwargs, output)
-        for site in self.writes:
-            output = site.write(output)
+        # (written out in this one frame: at decode time every Python call shows)
+        if self.captures:  # stash (x, c) for the write
+            x = _first_tensor(args, kwargs)
+            out = output[0] if isinstance(output, tuple) else output
+            stash = _stash()
+            for site in self.captures:
+                stash[id(site)] = (x, x if site.context == "input" else out)
+        if self.writes:  # h' = correct(x, c, h) in place of h
+            stash = _stash()
+            for site in self.writes:
+                try:
+                    x, c = stash.pop(id(site))
+                except KeyError:
+                    raise RuntimeError(
+                        "deltafy: a residual write ran before its stream was captured; the site map does "
+                        "not match this model's layer code"
+                    ) from None
+                if isinstance(output, tuple):
+                    output = (site.correct(x, c, output[0]),) + output[1:]
+                else:
+                    output = site.correct(x, c, output)
         return output
 
 

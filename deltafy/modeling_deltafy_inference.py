@@ -1,9 +1,11 @@
 # Inference paths of deltafy's DDL residual: the same math as DeltaSite.correct's tensor path,
 # for forwards without autograd, written for less work than the differentiable version.
 #
-# - Decoding on CPU (a few tokens) is bound by per-call overhead: each path gathers what it needs
-#   into a reused per-thread buffer, takes every dot product from one matmul and keeps the per-token
-#   scalars in Python floats, three or four small kernels a site instead of ~25.
+# - Decoding on CPU (a few tokens) is bound by per-call overhead, and between two sites the
+#   model's matmuls evict everything from cache, so each call pays for its code and data anew.
+#   These paths keep the per-token scalars in Python floats and touch little: the sublayer
+#   direction reads its dot products from numpy views (one torch op a site, the write), a learned
+#   direction gathers into a reused per-thread buffer for one matmul.
 # - Many tokens (prefill, scoring) are bound by memory traffic: every full-width tensor is read as
 #   few times as possible and the output is the only full-width allocation.
 #
@@ -18,7 +20,6 @@ import weakref
 import torch
 
 # Up to this many tokens (a decoding batch), a sublayer-direction site runs on Python scalars.
-# Its buffer holds 5 * FEW_ROWS * hidden_size floats per site and thread at most.
 FEW_ROWS = 8
 
 _BUFFERS = threading.local()
@@ -107,39 +108,37 @@ class InferencePaths:
         torch.addcmul(h, h, gain.unsqueeze(-1), value=1.0 / root_d, out=out)
         return out
 
-    def _decode_rows(self, n: int):
-        """The fp32 buffer for decoding ``n`` rows: block i holds [c_i; x_i; h_i; gate weight;
-        target weight]. Returns (the c/x/h rows (n, 3, d), the Gram's right-hand side (n, d, 5),
-        gate bias, target bias)."""
+    def _row_heads(self):
+        """(gate weight, target weight, gate bias, target bias) as numpy views of the fp32 CPU
+        parameters, or None when they are not. A view sees every in-place update (an optimizer
+        step, load_state_dict) as it happens, so decoding reads no version counters; DeltaSite
+        drops the views when .to() or load_state_dict(assign=True) replaces the tensors."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
+        params = (gate["weight"], target["weight"], gate["bias"], target["bias"])
+        if any(param.dtype != torch.float32 or not param.is_cpu for param in params):
+            return None
+        w_g, w_v, b_g, b_v = (param.detach().numpy() for param in params)
+        return w_g[0], w_v[0], b_g, b_v
 
-        def build(w_g, w_v, b_g, b_v):
-            rows = torch.empty(n, 5, self.hidden_size, dtype=torch.float32)
-            rows[:, 3:].copy_(torch.cat((w_g, w_v)))
-            return rows[:, :3], rows.mT, float(b_g), float(b_v)
-
-        return self._cached((gate["weight"], target["weight"], gate["bias"], target["bias"]), ("rows", n), build)
-
-    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``correct`` for a few tokens without autograd on CPU (decoding): the same math with the
-        per-token scalars in Python. Every dot product of a token comes from one batched Gram
-        matmul over a reused buffer, so a site costs three small kernels instead of ~25."""
+    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, heads) -> torch.Tensor:
+        """``correct`` for a few fp32 tokens without autograd on CPU (decoding): the same math with
+        the per-token scalars in Python. The dot products come from numpy views of the rows: at
+        this size a call costs a fraction of a torch op, and a site costs one torch op, the write."""
         d = self.hidden_size
-        n = h.numel() // d
-        cxh, rhs, b_g, b_v = self._decode_rows(n)
-        shape = h.shape
-        if h.dim() != 3 or shape[1] != 1:  # decoding gives (batch, 1, d) already
-            x, c, h = x.reshape(n, 1, d), c.reshape(n, 1, d), h.reshape(n, 1, d)
-        torch.cat((c, x, h), 1, out=cxh)
-        scales = []
+        if h.numel() == d:
+            return h * self._row_gain(c.numpy().reshape(d), x.numpy().reshape(d), h.numpy().reshape(d), heads)
+        rows = zip(c.numpy().reshape(-1, d), x.numpy().reshape(-1, d), h.numpy().reshape(-1, d), strict=True)
+        gains = torch.tensor([self._row_gain(c_i, x_i, h_i, heads) for c_i, x_i, h_i in rows])
+        return (h.reshape(-1, d) * gains.unsqueeze(-1)).view(h.shape)
+
+    def _row_gain(self, c, x, h, heads) -> float:
+        """The gain 1 + beta (v - k.x) / |m h| on h of one token, from numpy rows of c, x and h."""
+        w_g, w_v, b_g, b_v = heads
+        cc, cg, cv, xx = float(c.dot(c)), float(c.dot(w_g)), float(c.dot(w_v)), float(x.dot(x))
+        beta, v, _ = self._beta_and_target(cc, cg, cv, xx, b_g.item(), b_v.item())
         m = self.scale
-        for (cc, _, _, cg, cv), (_, xx, xh, _, _), (_, _, hh, _, _) in torch.bmm(cxh, rhs).tolist():
-            beta, v, _ = self._beta_and_target(cc, cg, cv, xx, b_g, b_v)
-            n_h = math.sqrt(hh * m * m + self.eps**2)
-            scales.append(1.0 + beta * (v - m * xh / n_h) / n_h)
-        scale = scales[0] if n == 1 else torch.tensor(scales).view(n, 1, 1)
-        out = h * scale if h.dtype == torch.float32 else (h.float() * scale).to(h.dtype)
-        return out if out.shape == shape else out.view(shape)
+        n_h = math.sqrt(float(h.dot(h)) * m * m + self.eps**2)
+        return 1.0 + beta * (v - m * float(x.dot(h)) / n_h) / n_h
 
     def _learned_rows(self, h: torch.Tensor):
         """The fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T (r rows)]
