@@ -139,19 +139,19 @@ class DeltaSite(InferencePaths, nn.Module):
         # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
         # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
         # Decoding on CPU comes first and checks least: it is bound by per-call overhead.
+        heads = self._heads_view
+        if heads is None and not torch.compiler.is_compiling():
+            heads = self._heads_view = self._row_heads() or False
         if (
-            h.is_cpu
+            heads
             and h.dtype == torch.float32
             and h.numel() <= FEW_ROWS * h.shape[-1]
-            and self.direction is None
+            and h.is_cpu
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
+            and not x.requires_grad  # (an input leaf may require grad under no_grad)
         ):
-            heads = self._heads_view
-            if heads is None:
-                heads = self._heads_view = self._row_heads() or False
-            if heads and not x.requires_grad:  # (an input leaf may require grad under no_grad)
-                return self._correct_rows(x, c, h, heads)
+            return self._correct_rows(x, c, h, heads)
         device = "cpu" if h.is_cpu else h.device.type  # (h.device costs more than the check itself)
         if torch.is_autocast_enabled(device):
             # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.

@@ -110,12 +110,12 @@ class InferencePaths:
 
     def _row_heads(self):
         """(gate weight, target weight, gate bias, target bias) as numpy views of the fp32 CPU
-        parameters, or None when they are not. A view sees every in-place update (an optimizer
-        step, load_state_dict) as it happens, so decoding reads no version counters; DeltaSite
-        drops the views when .to() or load_state_dict(assign=True) replaces the tensors."""
+        parameters of a sublayer-direction site, else None. A view sees every in-place update (an
+        optimizer step, load_state_dict) as it happens, so decoding reads no version counters;
+        DeltaSite drops the views when .to() or load_state_dict(assign=True) replaces the tensors."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         params = (gate["weight"], target["weight"], gate["bias"], target["bias"])
-        if any(param.dtype != torch.float32 or not param.is_cpu for param in params):
+        if self.direction is not None or any(p.dtype != torch.float32 or not p.is_cpu for p in params):
             return None
         w_g, w_v, b_g, b_v = (param.detach().numpy() for param in params)
         return w_g[0], w_v[0], b_g, b_v
