@@ -29,6 +29,10 @@ DELTAFY_FORMAT_VERSION = 1
 _STASH = threading.local()
 
 
+# (module-level names: one lookup each on the decode path)
+_is_grad_enabled, _is_compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+
+
 def _stash() -> dict:
     store = getattr(_STASH, "sites", None)
     if store is None:
@@ -144,11 +148,11 @@ class DeltaSite(InferencePaths, nn.Module):
             heads = self._heads_view = self._row_heads() or False
         if (
             heads
-            and h.dtype == torch.float32
+            and h.dtype is torch.float32
             and h.numel() <= FEW_ROWS * h.shape[-1]
             and h.is_cpu
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
+            and not _is_grad_enabled()
+            and not _is_compiling()
             and not x.requires_grad  # (an input leaf may require grad under no_grad)
         ):
             return self._correct_rows(x, c, h, heads)
@@ -225,13 +229,19 @@ class _SiteCall:
             output = self.inner(*args, **kwargs)
         # (written out in this one frame: at decode time every Python call shows)
         if self.captures:  # stash (x, c) for the write
-            x = _first_tensor(args, kwargs)
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
             out = output[0] if isinstance(output, tuple) else output
-            stash = _stash()
+            try:
+                stash = _STASH.sites
+            except AttributeError:
+                stash = _stash()
             for site in self.captures:
                 stash[id(site)] = (x, x if site.context == "input" else out)
         if self.writes:  # h' = correct(x, c, h) in place of h
-            stash = _stash()
+            try:
+                stash = _STASH.sites
+            except AttributeError:
+                stash = _stash()
             for site in self.writes:
                 try:
                     x, c = stash.pop(id(site))
