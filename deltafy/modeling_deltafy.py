@@ -144,7 +144,7 @@ class DeltaSite(InferencePaths, nn.Module):
         # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
         # Decoding on CPU comes first and checks least: it is bound by per-call overhead.
         heads = self._heads_view
-        if heads is None and not torch.compiler.is_compiling():
+        if heads is None and not _is_compiling():
             heads = self._heads_view = self._row_heads() or False
         if (
             heads
@@ -161,7 +161,7 @@ class DeltaSite(InferencePaths, nn.Module):
             # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.
             with torch.autocast(device, enabled=False):
                 return self.correct(x, c, h)
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if not _is_grad_enabled() and not _is_compiling():
             if self.direction is None:
                 return self._correct_tokens(x, c, h).view(h.shape).to(h.dtype)
             if self.direction.rank is not None:
@@ -228,20 +228,16 @@ class _SiteCall:
         else:
             output = self.inner(*args, **kwargs)
         # (written out in this one frame: at decode time every Python call shows)
+        try:
+            stash = _STASH.sites
+        except AttributeError:
+            stash = _stash()
         if self.captures:  # stash (x, c) for the write
             x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
             out = output[0] if isinstance(output, tuple) else output
-            try:
-                stash = _STASH.sites
-            except AttributeError:
-                stash = _stash()
             for site in self.captures:
                 stash[id(site)] = (x, x if site.context == "input" else out)
         if self.writes:  # h' = correct(x, c, h) in place of h
-            try:
-                stash = _STASH.sites
-            except AttributeError:
-                stash = _stash()
             for site in self.writes:
                 try:
                     x, c = stash.pop(id(site))

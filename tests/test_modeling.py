@@ -390,6 +390,14 @@ def test_stash_is_empty_after_a_forward(llama):
     assert not ours & set(_stash()), "a forward left stream tensors in the stash"
 
 
+def test_a_write_without_its_capture_fails_loudly(llama):
+    """A site map that does not match the layer code (the write module runs, its stream module
+    did not) must raise, never correct with another forward's stream."""
+    layer = llama.get_submodule(llama.config.deltafy["layers"])[0]
+    with pytest.raises(RuntimeError, match="ran before its stream was captured"):
+        layer.mlp(torch.randn(1, 3, llama.config.hidden_size))
+
+
 def test_deepcopy_is_independent(llama):
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
     base = _logits(llama, ids)
