@@ -112,7 +112,8 @@ class InferencePaths:
         """(gate weight, target weight, gate bias, target bias) as numpy views of the fp32 CPU
         parameters of a sublayer-direction site, else None. A view sees every in-place update (an
         optimizer step, load_state_dict) as it happens, so decoding reads no version counters;
-        DeltaSite drops the views when .to() or load_state_dict(assign=True) replaces the tensors."""
+        DeltaSite drops the views when .to() or load_state_dict(assign=True) replaces the tensors
+        (a tensor swapped in by hand after a forward, ``param.data = t``, is not seen)."""
         gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         params = (gate["weight"], target["weight"], gate["bias"], target["bias"])
         if self.direction is not None or any(p.dtype != torch.float32 or not p.is_cpu for p in params):
