@@ -240,4 +240,16 @@ def run_training(
         status(f"writing {out}")
         model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
         save(model, out, tokenizer=tokenizer, provenance=model.config.deltafy.get("provenance"), into=True)
+    _leave_process_group()
     return result
+
+
+def _leave_process_group() -> None:
+    """In a distributed run, every rank waits for the main process to write the model, then leaves
+    the process group: a gloo group left to interpreter shutdown can abort its process (SIGABRT,
+    "terminate called without an active exception"), which fails the whole torchrun job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
