@@ -50,6 +50,16 @@ class InferencePaths:
             cached = slots[slot] = (key, build(*(param.detach().float() for param in params)))
         return cached[1]
 
+    def _head_params(self, with_direction: bool = False) -> tuple:
+        """(gate weight, target weight, [down, up,] gate bias, target bias), read without
+        nn.Module's attribute lookups: the order in which the paths' cache builders take them."""
+        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
+        weights = (gate["weight"], target["weight"])
+        if with_direction:
+            direction = self._modules["direction"]._modules
+            weights += (direction["down"]._parameters["weight"], direction["up"]._parameters["weight"])
+        return weights + (gate["bias"], target["bias"])
+
     def _beta_and_target(self, cc: float, cg: float, cv: float, xx: float, b_g: float, b_v: float):
         """beta, v and 1/|c| of one token from its dot products (c.c, c.w_gate, c.w_target, x.x)."""
         inv_norm_c = 1.0 / math.sqrt(cc + 1e-6)
@@ -87,11 +97,8 @@ class InferencePaths:
         and h is read by one norm, the heads are matrix-vector products, h*x is summed in the buffer
         that then receives the output, and the per-token arithmetic is folded into few kernels."""
         x, c, h, d = self._token_rows(x, c, h)
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
         w_g, w_v, b_g, b_v = self._cached(
-            (gate["weight"], target["weight"], gate["bias"], target["bias"]),
-            ("tokens",),
-            lambda w_g, w_v, b_g, b_v: (w_g[0], w_v[0], b_g, b_v),
+            self._head_params(), ("tokens",), lambda w_g, w_v, b_g, b_v: (w_g[0], w_v[0], b_g, b_v)
         )
         norm = torch.linalg.vector_norm
         inv_norm_c = norm(c, dim=-1).square_().add_(1e-6).rsqrt_()
@@ -114,8 +121,7 @@ class InferencePaths:
         optimizer step, load_state_dict) as it happens, so decoding reads no version counters;
         DeltaSite drops the views when .to() or load_state_dict(assign=True) replaces the tensors
         (a tensor swapped in by hand after a forward, ``param.data = t``, is not seen)."""
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        params = (gate["weight"], target["weight"], gate["bias"], target["bias"])
+        params = self._head_params()
         if self.direction is not None or any(p.dtype != torch.float32 or not p.is_cpu for p in params):
             return None
         w_g, w_v, b_g, b_v = (param.detach().numpy() for param in params)
@@ -144,9 +150,6 @@ class InferencePaths:
     def _learned_rows(self, h: torch.Tensor):
         """The fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T (r rows)]
         for decoding one token with a low-rank learned direction, where up = Q R."""
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        direction = self._modules["direction"]._modules
-        down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
 
         def build(w_g, w_v, down, up, b_g, b_v):
             # |up u| = |R u|: the direction's squared norm becomes a sum of r squares, not a quadratic form
@@ -160,8 +163,7 @@ class InferencePaths:
             views += (gram[:1, 4 : 4 + r].view(batch + (1, r)), rows[4 + 2 * r :].view(batch + (r, -1)))
             return views + (r, float(b_g), float(b_v))
 
-        params = (gate["weight"], target["weight"], down, up, gate["bias"], target["bias"])
-        return self._cached(params, ("learned", h.dim()), build)
+        return self._cached(self._head_params(with_direction=True), ("learned", h.dim()), build)
 
     def _correct_learned_token(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``correct`` for one token without autograd on CPU, low-rank learned direction. With
@@ -186,16 +188,12 @@ class InferencePaths:
         gives u and both heads, one gives up^T x, |up u| = |R u| needs only r-wide rows, and the
         write h + up (u s) is one addmm: c and x are each read twice, h once."""
         x, c, h, d = self._token_rows(x, c, h)
-        gate, target = self._modules["gate"]._parameters, self._modules["target"]._parameters
-        direction = self._modules["direction"]._modules
-        down, up = direction["down"]._parameters["weight"], direction["up"]._parameters["weight"]
 
         def build(w_g, w_v, down, up, b_g, b_v):
             # (c's right-hand side [down^T | gate w | target w], up, R^T with up = QR, biases)
             return torch.cat((down, w_g, w_v)).t().contiguous(), up, torch.linalg.qr(up).R.t(), b_g, b_v
 
-        params = (gate["weight"], target["weight"], down, up, gate["bias"], target["bias"])
-        heads, up, r_t, b_g, b_v = self._cached(params, ("learned tokens",), build)
+        heads, up, r_t, b_g, b_v = self._cached(self._head_params(with_direction=True), ("learned tokens",), build)
         r = up.shape[1]
         norm = torch.linalg.vector_norm
         inv_norm_c = norm(c, dim=-1).square_().add_(1e-6).rsqrt_()
