@@ -30,7 +30,7 @@ _STASH = threading.local()
 
 
 # (module-level names: one lookup each on the decode path)
-_is_grad_enabled, _is_compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+_is_grad_enabled, _is_compiling, _float32 = torch.is_grad_enabled, torch.compiler.is_compiling, torch.float32
 
 
 def _stash() -> dict:
@@ -107,7 +107,7 @@ class DeltaSite(InferencePaths, nn.Module):
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
         self.force_beta: float | None = None  # set by tests and the self-check
         self.beta_log: list | None = None  # when a list, each forward appends its mean beta
-        self._heads_view = None  # numpy views of the heads for decoding, built on first use
+        self._decode = None  # what the decode path reads (InferencePaths._decode_heads), built on first use
         self.reset_parameters()
         # Our own init is final: transformers must not re-initialize these as missing weights.
         for module in self.modules():
@@ -124,15 +124,15 @@ class DeltaSite(InferencePaths, nn.Module):
 
     # The decode path reads the heads through numpy views of their tensors; these replace the tensors.
     def _apply(self, *args, **kwargs):
-        self._heads_view = None
+        self._decode = None
         return super()._apply(*args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._heads_view = None
+        self._decode = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):  # a copy (deepcopy, pickle) must view its own tensors
-        return {**super().__getstate__(), "_heads_view": None}
+        return {**super().__getstate__(), "_decode": None}
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, direction={self.direction_kind}, scale={self.scale}"
@@ -143,19 +143,23 @@ class DeltaSite(InferencePaths, nn.Module):
         # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
         # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
         # Decoding on CPU comes first and checks least: it is bound by per-call overhead.
-        heads = self._heads_view
-        if heads is None and not _is_compiling():
-            heads = self._heads_view = self._row_heads() or False
+        decode = self._decode
+        if decode is None and not _is_compiling():
+            decode = self._decode = self._decode_heads()
         if (
-            heads
-            and h.dtype is torch.float32
-            and h.numel() <= FEW_ROWS * h.shape[-1]
+            decode
             and h.is_cpu
+            and h.dtype is _float32
             and not _is_grad_enabled()
             and not _is_compiling()
             and not x.requires_grad  # (an input leaf may require grad under no_grad)
         ):
-            return self._correct_rows(x, c, h, heads)
+            d = decode[4]
+            if h.numel() == d:  # one token: a single torch op, the write
+                gain = self._row_gain(c.numpy().reshape(d), x.numpy().reshape(d), h.numpy().reshape(d), decode)
+                return torch.add(h, h, alpha=gain)
+            if h.numel() <= FEW_ROWS * d:
+                return self._correct_rows(x, c, h, decode)
         device = "cpu" if h.is_cpu else h.device.type  # (h.device costs more than the check itself)
         if torch.is_autocast_enabled(device):
             # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.

@@ -115,37 +115,37 @@ class InferencePaths:
         torch.addcmul(h, h, gain.unsqueeze(-1), value=1.0 / root_d, out=out)
         return out
 
-    def _row_heads(self):
-        """(gate weight, target weight, gate bias, target bias) as numpy views of the fp32 CPU
-        parameters of a sublayer-direction site, else None. A view sees every in-place update (an
-        optimizer step, load_state_dict) as it happens, so decoding reads no version counters;
-        DeltaSite drops the views when .to() or load_state_dict(assign=True) replaces the tensors
-        (a tensor swapped in by hand after a forward, ``param.data = t``, is not seen)."""
+    def _decode_heads(self):
+        """What the decode path reads, or False where it does not apply (a learned direction, heads
+        that are not fp32 CPU tensors): numpy views of the gate and target weights and biases, then
+        d, the stream scale and eps^2. A view sees every in-place update (an optimizer step,
+        load_state_dict) as it happens, so decoding reads no version counters; DeltaSite drops
+        this tuple when .to() or load_state_dict(assign=True) replaces the tensors (a tensor swapped
+        in by hand after a forward, ``param.data = t``, is not seen)."""
         params = self._head_params()
         if self.direction is not None or any(p.dtype != torch.float32 or not p.is_cpu for p in params):
-            return None
+            return False
         w_g, w_v, b_g, b_v = (param.detach().numpy() for param in params)
-        return w_g[0], w_v[0], b_g, b_v
+        return w_g[0], w_v[0], b_g, b_v, self.hidden_size, self.scale, self.eps**2
 
-    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, heads) -> torch.Tensor:
-        """``correct`` for a few fp32 tokens without autograd on CPU (decoding): the same math with
-        the per-token scalars in Python. The dot products come from numpy views of the rows: at
-        this size a call costs a fraction of a torch op, and a site costs one torch op, the write."""
-        d = self.hidden_size
-        if h.numel() == d:
-            return h * self._row_gain(c.numpy().reshape(d), x.numpy().reshape(d), h.numpy().reshape(d), heads)
+    def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, decode: tuple) -> torch.Tensor:
+        """``correct`` for 2 to FEW_ROWS fp32 tokens without autograd on CPU (a decoding batch); one
+        token takes ``_row_gain`` straight from ``correct``."""
+        d = decode[4]
         rows = zip(c.numpy().reshape(-1, d), x.numpy().reshape(-1, d), h.numpy().reshape(-1, d), strict=True)
-        gains = torch.tensor([self._row_gain(c_i, x_i, h_i, heads) for c_i, x_i, h_i in rows])
-        return (h.reshape(-1, d) * gains.unsqueeze(-1)).view(h.shape)
+        gains = torch.tensor([self._row_gain(c_i, x_i, h_i, decode) for c_i, x_i, h_i in rows])
+        h_rows = h.reshape(-1, d)
+        return torch.addcmul(h_rows, h_rows, gains.unsqueeze(-1)).view(h.shape)
 
-    def _row_gain(self, c, x, h, heads) -> float:
-        """The gain 1 + beta (v - k.x) / |m h| on h of one token, from numpy rows of c, x and h."""
-        w_g, w_v, b_g, b_v = heads
+    def _row_gain(self, c, x, h, decode: tuple) -> float:
+        """The gain beta (v - k.x) / |m h| of one token (h' = h + gain h), from numpy rows of c, x
+        and h: six dot products, the rest on Python floats. At this size a numpy call costs a
+        fraction of a torch op, so a decoding site costs one torch op, the write."""
+        w_g, w_v, b_g, b_v, d, m, eps2 = decode
         cc, cg, cv, xx = float(c.dot(c)), float(c.dot(w_g)), float(c.dot(w_v)), float(x.dot(x))
         beta, v, _ = self._beta_and_target(cc, cg, cv, xx, b_g.item(), b_v.item())
-        m = self.scale
-        n_h = math.sqrt(float(h.dot(h)) * m * m + self.eps**2)
-        return 1.0 + beta * (v - m * float(x.dot(h)) / n_h) / n_h
+        n_h = math.sqrt(float(h.dot(h)) * m * m + eps2)
+        return beta * (v - m * float(x.dot(h)) / n_h) / n_h
 
     def _learned_rows(self, h: torch.Tensor):
         """The fp32 buffer [c; x; gate w; target w; down (r rows); R down (r rows); up^T (r rows)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import sys
 import threading
@@ -475,7 +476,7 @@ def test_torch_compile_matches_eager(case):
     assert (eager - without_heads).abs().max() > 1e-2
     torch._dynamo.reset()
     for _, site in delta_sites(model):
-        site._heads_view = None  # as in a model that is compiled before its first eager forward
+        site._decode = None  # as in a model that is compiled before its first eager forward
     compiled = torch.compile(model, backend="aot_eager")  # dynamo's tracing, without a C++ toolchain
     torch.testing.assert_close(_logits(compiled, ids), eager, rtol=0, atol=1e-5)
 
@@ -589,6 +590,14 @@ def _site_with_heads(**kwargs) -> DeltaSite:
     return site
 
 
+def _decode_path(site, x, c, h):
+    """What correct() computes for a decoding batch, called directly."""
+    decode, d = site._decode_heads(), site.hidden_size
+    if h.numel() == d:
+        return torch.add(h, h, alpha=site._row_gain(*(t.numpy().reshape(d) for t in (c, x, h)), decode))
+    return site._correct_rows(x, c, h, decode)
+
+
 def _fast_and_slow(site, x, c, h):
     with torch.no_grad():
         fast = site.correct(x, c, h)
@@ -607,7 +616,7 @@ def test_few_token_fast_path_matches_the_tensor_path(scale, shape):
     x, c, h = (torch.randn(shape, generator=gen) * s for s in (40.0, 1.0, 3.0))
     fast = _fast_and_slow(site, x, c, h)
     with torch.no_grad():
-        assert torch.equal(site._correct_rows(x, c, h, site._row_heads()), fast)  # correct() took the fast path
+        assert torch.equal(_decode_path(site, x, c, h), fast)  # correct() took the decode path
     assert fast.shape == h.shape and (fast - h).abs().max() > 1.0  # the heads matter
     site.force_beta = 0.0
     with torch.no_grad():
@@ -680,7 +689,7 @@ def test_many_token_inference_paths_match_the_tensor_path(direction, dtype, scal
     else:
         path, cached = site._correct_tokens, site.target.bias
         if h.numel() <= 8 * D and dtype == torch.float32:  # the decode path
-            path = lambda x, c, h: site._correct_rows(x, c, h, site._row_heads())  # noqa: E731
+            path = functools.partial(_decode_path, site)
     site.beta_log = []
     with torch.inference_mode():
         fast = site.correct(x, c, h)
