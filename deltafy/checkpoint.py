@@ -19,13 +19,17 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import modeling_deltafy, modeling_deltafy_inference
+from . import modeling_deltafy, modeling_deltafy_inference, modeling_deltafy_native
 from .errors import DeltafyError
 from .recipe import Recipe
 from .sources import _quiet_transformers, _restore_transformers
 
 MODELING_FILE = "modeling_deltafy.py"
-INFERENCE_FILE = "modeling_deltafy_inference.py"  # imported by MODELING_FILE, copied verbatim
+# Imported by MODELING_FILE (one by the other), copied verbatim; transformers fetches them along with it.
+COMPANION_FILES = {
+    module.__name__.rpartition(".")[2] + ".py": module
+    for module in (modeling_deltafy_inference, modeling_deltafy_native)
+}
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
 
 
@@ -229,7 +233,8 @@ def save(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class))
-        (tmp / INFERENCE_FILE).write_text(Path(modeling_deltafy_inference.__file__).read_text())
+        for name, module in COMPANION_FILES.items():
+            (tmp / name).write_text(Path(module.__file__).read_text())
         (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -3,9 +3,10 @@
 #
 # - Decoding on CPU (a few tokens) is bound by per-call overhead, and between two sites the
 #   model's matmuls evict everything from cache, so each call pays for its code and data anew.
-#   These paths keep the per-token scalars in Python floats and touch little: the sublayer
-#   direction reads its dot products from numpy views (one torch op a site, the write), a learned
-#   direction gathers into a reused per-thread buffer for one matmul.
+#   A sublayer direction takes the compiled kernel of modeling_deltafy_native.py where there is
+#   one; otherwise these paths keep the per-token scalars in Python floats and touch little: dot
+#   products from numpy views (one torch op a site, the write). A learned direction gathers into
+#   a reused per-thread buffer for one matmul.
 # - Many tokens (prefill, scoring) are bound by memory traffic: every full-width tensor is read as
 #   few times as possible and the output is the only full-width allocation.
 #
@@ -19,7 +20,9 @@ import weakref
 
 import torch
 
-# Up to this many tokens (a decoding batch), a sublayer-direction site runs on Python scalars.
+from .modeling_deltafy_native import site_kernel
+
+# Up to this many tokens (a decoding batch), a sublayer-direction site takes the decode path.
 FEW_ROWS = 8
 
 _BUFFERS = threading.local()
@@ -117,16 +120,19 @@ class InferencePaths:
 
     def _decode_heads(self):
         """What the decode path reads, or False where it does not apply (a learned direction, heads
-        that are not fp32 CPU tensors): numpy views of the gate and target weights and biases, then
-        d, the stream scale and eps^2. A view sees every in-place update (an optimizer step,
-        load_state_dict) as it happens, so decoding reads no version counters; DeltaSite drops
-        this tuple when .to() or load_state_dict(assign=True) replaces the tensors (a tensor swapped
-        in by hand after a forward, ``param.data = t``, is not seen)."""
+        that are not fp32 CPU tensors): numpy views of the gate and target weights and biases, d,
+        the stream scale, eps^2, and the compiled kernel bound to the same memory (None without
+        one). Views and kernel see every in-place update (an optimizer step, load_state_dict) as
+        it happens, so decoding reads no version counters; DeltaSite drops this tuple when .to()
+        or load_state_dict(assign=True) replaces the tensors (a tensor swapped in by hand after a
+        forward, ``param.data = t``, is not seen)."""
         params = self._head_params()
         if self.direction is not None or any(p.dtype != torch.float32 or not p.is_cpu for p in params):
             return False
         w_g, w_v, b_g, b_v = (param.detach().numpy() for param in params)
-        return w_g[0], w_v[0], b_g, b_v, self.hidden_size, self.scale, self.eps**2
+        d, m, eps2 = self.hidden_size, self.scale, self.eps**2
+        native = site_kernel(*params, d, m, eps2) if all(p.is_contiguous() for p in params) else None
+        return w_g[0], w_v[0], b_g, b_v, d, m, eps2, native
 
     def _correct_rows(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, decode: tuple) -> torch.Tensor:
         """``correct`` for 2 to FEW_ROWS fp32 tokens without autograd on CPU (a decoding batch); one
@@ -141,7 +147,7 @@ class InferencePaths:
         """The gain beta (v - k.x) / |m h| of one token (h' = h + gain h), from numpy rows of c, x
         and h: six dot products, the rest on Python floats. At this size a numpy call costs a
         fraction of a torch op, so a decoding site costs one torch op, the write."""
-        w_g, w_v, b_g, b_v, d, m, eps2 = decode
+        w_g, w_v, b_g, b_v, d, m, eps2, _ = decode
         cc, cg, cv, xx = float(c.dot(c)), float(c.dot(w_g)), float(c.dot(w_v)), float(x.dot(x))
         beta, v, _ = self._beta_and_target(cc, cg, cv, xx, b_g.item(), b_v.item())
         n_h = math.sqrt(float(h.dot(h)) * m * m + eps2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nearly every test runs tiny models, where thread start-up costs more than the math, and the
 # 2-core test machines are often shared: one intra-op thread for the whole session.
 torch.set_num_threads(1)
+# Where there is a C compiler, decoding must take the compiled kernel (tests/test_native.py).
+HAS_C_COMPILER = shutil.which(os.environ.get("CC") or "cc") is not None
 
 _SMALL = dict(
     hidden_size=64,

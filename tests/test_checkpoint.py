@@ -22,11 +22,11 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free, tiny_model
+from conftest import DELTAFY_FREE_PREAMBLE, HAS_C_COMPILER, run_deltafy_free, tiny_model
 from safetensors import safe_open
 
 import deltafy
-from deltafy.checkpoint import INFERENCE_FILE, MODELING_FILE
+from deltafy.checkpoint import COMPANION_FILES, MODELING_FILE
 from deltafy.modeling_deltafy import delta_sites
 from deltafy.pipeline import convert_source
 
@@ -85,6 +85,8 @@ for job in jobs:
             "module": type(model).__module__,
             "bases": [c.__name__ for c in type(model).__mro__[1:3]],
             "sites": sorted(n for n, m in model.named_modules() if type(m).__name__ == "DeltaSite"),
+            # sites that decoded through the checkpoint's compiled kernel (modeling_deltafy_native.py)
+            "kernel_sites": sum(1 for m in model.modules() if getattr(m, "_decode", None) and m._decode[7]),
             "heads": {k: v.clone() for k, v in model.state_dict().items() if ".delta." in k},
             "tied": out_emb.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr(),
         }
@@ -249,6 +251,9 @@ def test_trained_heads_reload_without_deltafy(reloaded, key):
     assert (logits - stock_logits).abs().max().item() > 1e-2, "heads had no effect; the test would be trivial"
     assert (got["logits"] - logits).abs().max().item() <= 1e-5
     assert torch.equal(got["generated"], generated)
+    kernel = HAS_C_COMPILER and os.environ.get("DELTAFY_NATIVE") != "0"
+    if kernel and converted.config.deltafy["direction"] == "sublayer":
+        assert got["kernel_sites"] == len(heads) // 4  # every site (4 head tensors each) decoded compiled
 
 
 def test_tied_embeddings_stay_tied_after_remote_code_reload(reloaded):
@@ -354,17 +359,19 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     generated = text[len(core) :]
     assert "from transformers import Gemma2Config, Gemma2ForCausalLM" in generated
     assert "DeltafyConfig, DeltafyForCausalLM = deltafy_classes(Gemma2Config, Gemma2ForCausalLM)" in generated
-    decode = (out / INFERENCE_FILE).read_text()
-    assert decode == Path(deltafy.modeling_deltafy_inference.__file__).read_text()
+    sources = [text]
+    for name, module in COMPANION_FILES.items():
+        sources.append((out / name).read_text())
+        assert sources[-1] == Path(module.__file__).read_text()
     imported, relative = set(), set()
-    for node in ast.walk(ast.parse(text + "\n" + decode)):
+    for node in (node for source in sources for node in ast.walk(ast.parse(source))):
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level:
             relative.add(node.module)  # transformers copies such siblings along with the modeling file
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
-    assert relative == {INFERENCE_FILE.removesuffix(".py")}
+    assert relative == {name.removesuffix(".py") for name in COMPANION_FILES}
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "__future__"}
     assert third_party == {"torch", "transformers"}
     config = json.loads((out / "config.json").read_text())

@@ -99,6 +99,7 @@ def test_convert_local_folder(converted):
         "model.safetensors",
         "modeling_deltafy.py",
         "modeling_deltafy_inference.py",
+        "modeling_deltafy_native.py",
         "README.md",
         "recipe.yaml",
         "generation_config.json",

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from deltafy import convert, head_parameter_groups, load_recipe
+from deltafy import convert, head_parameter_groups, load_recipe, modeling_deltafy_native
 from deltafy.modeling_deltafy import DeltaDirection, DeltaSite, delta_sites, mean_betas, set_forced_beta
+from deltafy.modeling_deltafy_native import decode_kernel
 from deltafy.verify import forced_beta
 
 D = 16
@@ -590,9 +591,24 @@ def _site_with_heads(**kwargs) -> DeltaSite:
     return site
 
 
-def _decode_path(site, x, c, h):
-    """What correct() computes for a decoding batch, called directly."""
+@pytest.fixture(params=["compiled", "python"])
+def decode_impl(request, monkeypatch) -> str:
+    """Each implementation of the decode path: the compiled kernel and the Python fallback."""
+    if request.param == "compiled" and decode_kernel() is None:
+        pytest.skip("no C compiler here (test_native.py checks that one builds wherever there is)")
+    if request.param == "python":
+        monkeypatch.setattr(modeling_deltafy_native, "_kernel", [None])
+    return request.param
+
+
+def _decode_path(site, x, c, h, kernel: bool = True):
+    """What correct() computes for a decoding batch, called directly: the site's compiled kernel
+    (if it has one and ``kernel``), else the Python path."""
     decode, d = site._decode_heads(), site.hidden_size
+    if kernel and decode[7] is not None:
+        out = torch.empty_like(h)
+        decode[7](c.data_ptr(), x.data_ptr(), h.data_ptr(), out.data_ptr(), h.numel() // d)
+        return out
     if h.numel() == d:
         return torch.add(h, h, alpha=site._row_gain(*(t.numpy().reshape(d) for t in (c, x, h)), decode))
     return site._correct_rows(x, c, h, decode)
@@ -609,14 +625,17 @@ def _fast_and_slow(site, x, c, h):
 
 @pytest.mark.parametrize("scale", [1.0, 0.22])
 @pytest.mark.parametrize("shape", [(1, 1, D), (1, D), (4, 1, D), (2, 3, D), (8, D)])
-def test_few_token_fast_path_matches_the_tensor_path(scale, shape):
+def test_few_token_fast_path_matches_the_tensor_path(scale, shape, decode_impl):
     """Decoding (a few fp32 tokens, no autograd, CPU) takes a scalar fast path: it must compute the same."""
     site = _site_with_heads(scale=scale)
     gen = torch.Generator().manual_seed(21)
     x, c, h = (torch.randn(shape, generator=gen) * s for s in (40.0, 1.0, 3.0))
     fast = _fast_and_slow(site, x, c, h)
     with torch.no_grad():
+        assert (site._decode[7] is not None) == (decode_impl == "compiled")
         assert torch.equal(_decode_path(site, x, c, h), fast)  # correct() took the decode path
+        strided = torch.stack((x, torch.full_like(x, 1e4)), dim=-1)[..., 0]  # x, not contiguous
+        torch.testing.assert_close(site.correct(strided, c, h), fast, rtol=1e-5, atol=1e-4)
     assert fast.shape == h.shape and (fast - h).abs().max() > 1.0  # the heads matter
     site.force_beta = 0.0
     with torch.no_grad():
@@ -627,10 +646,10 @@ def test_few_token_fast_path_matches_the_tensor_path(scale, shape):
         torch.testing.assert_close(site.correct(x, c, h), fast, rtol=1e-5, atol=1e-4)
 
 
-def test_decode_path_sees_every_change_to_the_heads():
-    """The decode path reads the heads through numpy views of their tensors: an in-place change
-    (an optimizer step, or behind autograd's back) must show at once, and a replaced tensor
-    (load_state_dict(assign=True), .to()) or a copy must never be served stale values."""
+def test_decode_path_sees_every_change_to_the_heads(decode_impl):
+    """The decode path reads the heads' memory (numpy views, or pointers in the compiled kernel):
+    an in-place change (an optimizer step, or behind autograd's back) must show at once, and a
+    replaced tensor (load_state_dict(assign=True), .to()) or a copy must never be served stale values."""
     site = _site_with_heads()
     gen = torch.Generator().manual_seed(25)
     x, c, h = (torch.randn(1, 1, D, generator=gen) * s for s in (40.0, 1.0, 3.0))
@@ -689,7 +708,7 @@ def test_many_token_inference_paths_match_the_tensor_path(direction, dtype, scal
     else:
         path, cached = site._correct_tokens, site.target.bias
         if h.numel() <= 8 * D and dtype == torch.float32:  # the decode path
-            path = functools.partial(_decode_path, site)
+            path = functools.partial(_decode_path, site, kernel=False)  # (beta is logged: Python)
     site.beta_log = []
     with torch.inference_mode():
         fast = site.correct(x, c, h)

@@ -1,0 +1,142 @@
+# A compiled decode step for deltafy's DDL residual (sublayer direction, fp32, CPU, a few tokens).
+#
+# Decoding on CPU is bound by per-call overhead: between two sites the model's matmuls evict
+# everything from cache, so every Python and torch call on a site's path pays for its code anew.
+# The math of a decoding site is six dot products and one scaled add; in C that is one call of a
+# microsecond, where the same work as numpy and torch calls costs ~50 us a site (~8% of a SmolLM2
+# token at 60 sites). The kernel is compiled on first use with the machine's C compiler ($CC, else
+# cc) and cached; without a compiler, or with DELTAFY_NATIVE=0, decoding takes the pure Python
+# path of modeling_deltafy_inference.py, which computes the same.
+#
+# Copied verbatim into every checkpoint next to modeling_deltafy.py; imports only the standard library.
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+KERNEL_SOURCE = r"""
+#include <math.h>
+
+/* One site's heads: pointers into the gate/target parameters (read at each call, so in-place
+   updates show at once) and the site's constants. */
+typedef struct {
+    const float *w_gate, *w_target, *b_gate, *b_target;
+    long d;
+    double scale, eps2;
+} deltafy_heads;
+
+/* out = h + gain * h for `rows` tokens of width d, where for each token
+   gain = beta (v - m h.x / n) / n,  n = sqrt(m^2 h.h + eps^2),
+   beta = 2 sigmoid(w_gate.c / |c| + b_gate),  v = (w_target.c / |c| + b_target) rms(x).
+   The dot products accumulate in double; the write is fp32 like the tensor path's. */
+void deltafy_decode(const deltafy_heads *p, const float *c, const float *x, const float *h, float *out,
+                    long rows) {
+    const long d = p->d;
+    const double m = p->scale;
+    for (long r = 0; r < rows; r++, c += d, x += d, h += d, out += d) {
+        double cc = 0, cg = 0, cv = 0, xx = 0, hh = 0, xh = 0;
+        for (long i = 0; i < d; i++) {
+            const double ci = c[i], xi = x[i], hi = h[i];
+            cc += ci * ci;
+            cg += ci * p->w_gate[i];
+            cv += ci * p->w_target[i];
+            xx += xi * xi;
+            hh += hi * hi;
+            xh += xi * hi;
+        }
+        const double inv_norm_c = 1.0 / sqrt(cc + 1e-6);
+        const double g = cg * inv_norm_c + p->b_gate[0];
+        const double beta = g >= 0 ? 2.0 / (1.0 + exp(-g)) : 2.0 * exp(g) / (1.0 + exp(g));
+        const double v = (cv * inv_norm_c + p->b_target[0]) * sqrt((xx > 1e-30 ? xx : 1e-30) / d);
+        const double n = sqrt(hh * m * m + p->eps2);
+        const float gain = (float)(beta * (v - m * xh / n) / n);
+        for (long i = 0; i < d; i++)
+            out[i] = h[i] + gain * h[i];
+    }
+}
+"""
+
+logger = logging.getLogger(__name__)
+_FLAGS = ["-O2", "-shared", "-fPIC"]
+
+
+class _Heads(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w_gate", "w_target", "b_gate", "b_target")]
+    _fields_ += [("d", ctypes.c_long), ("scale", ctypes.c_double), ("eps2", ctypes.c_double)]
+
+
+_lock = threading.Lock()
+_kernel: list = []  # [the loaded kernel or None], once tried in this process
+
+
+def _compile(folder: Path, name: str, compiler: str) -> Path:
+    """Build the kernel in a private temporary folder, then move it to ``folder/name`` in one step
+    (a concurrent process loads one whole library or builds its own)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        source, built = Path(tmp) / "decode.c", Path(tmp) / name
+        source.write_text(KERNEL_SOURCE)
+        command = [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+        os.replace(built, folder / name)
+    return folder / name
+
+
+def _load():
+    compiler = os.environ.get("CC") or "cc"
+    if os.environ.get("DELTAFY_NATIVE", "1") == "0" or shutil.which(compiler) is None:
+        return None
+    key = "\0".join((KERNEL_SOURCE, compiler, *_FLAGS, platform.machine(), sys.platform))
+    name = f"decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    # (deltafy's cache folder, as deltafy.sources finds it; this file must not import deltafy)
+    home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    cached = Path(os.environ.get("DELTAFY_CACHE") or Path(home) / "deltafy") / "kernels" / name
+    try:
+        library = ctypes.CDLL(str(cached if cached.exists() else _compile(cached.parent, name, compiler)))
+    except OSError:  # a cache folder we cannot write, or a library that does not load: build for this process
+        library = ctypes.CDLL(str(_compile(Path(tempfile.mkdtemp(prefix="deltafy-")), name, compiler)))
+    kernel = library.deltafy_decode
+    kernel.argtypes = [ctypes.POINTER(_Heads)] + [ctypes.c_void_p] * 4 + [ctypes.c_long]
+    kernel.restype = None
+    return kernel
+
+
+def decode_kernel():
+    """The compiled ``deltafy_decode``, or None where it cannot be built here (no C compiler, a
+    failed build, DELTAFY_NATIVE=0); tried once per process."""
+    if not _kernel:
+        with _lock:
+            if not _kernel:
+                try:
+                    _kernel.append(_load())
+                except (OSError, subprocess.SubprocessError) as err:
+                    logger.warning(
+                        "deltafy: no compiled decode kernel (%s); decoding takes the slower Python path", err
+                    )
+                    _kernel.append(None)
+    return _kernel[0]
+
+
+def site_kernel(w_gate, w_target, b_gate, b_target, d: int, scale: float, eps2: float):
+    """The kernel bound to one site's heads (fp32 contiguous CPU tensors), called as
+    ``(c, x, h, out, rows)`` with data pointers; None where there is no kernel."""
+    kernel = decode_kernel()
+    if kernel is None:
+        return None
+    # Detached aliases keep the storage alive even if a parameter's .data is swapped later.
+    tensors = tuple(t.detach() for t in (w_gate, w_target, b_gate, b_target))
+    heads = _Heads(*(t.data_ptr() for t in tensors), d, scale, eps2)
+    heads.tensors = tensors
+    return functools.partial(kernel, ctypes.byref(heads))
