@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 import deltafy
 from deltafy.modeling_deltafy import delta_sites
+from deltafy.modeling_deltafy_native import decode_kernel
 from deltafy.sources import load_source
 
 
@@ -114,7 +115,10 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     gates = "open gates" if args.open_gates else "gates at init"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, {args.recipe}, {gates}")
+    kernel = "compiled decode kernel" if decode_kernel() is not None else "Python decode path (no compiled kernel)"
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, {args.recipe}, {gates}, {kernel}"
+    )
     print(
         f"{'model':10s} {'phase':8s} {'original tok/s':>15s} {'converted tok/s':>16s} {'ratio':>7s} {'median':>7s}"
         f" {'quartiles':>12s}"

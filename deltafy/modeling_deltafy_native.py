@@ -2,11 +2,12 @@
 #
 # Decoding on CPU is bound by per-call overhead: between two sites the model's matmuls evict
 # everything from cache, so every Python and torch call on a site's path pays for its code anew.
-# The math of a decoding site is six dot products and one scaled add; in C that is one call of a
-# microsecond, where the same work as numpy and torch calls costs ~50 us a site (~8% of a SmolLM2
-# token at 60 sites). The kernel is compiled on first use with the machine's C compiler ($CC, else
-# cc) and cached; without a compiler, or with DELTAFY_NATIVE=0, decoding takes the pure Python
-# path of modeling_deltafy_inference.py, which computes the same.
+# The math of a decoding site is six dot products and one scaled add per token. As numpy and torch
+# calls it costs ~50 us a site (~6% of a SmolLM2-135M token, 60 sites); as one ctypes call into C
+# it costs well under half that. The kernel is compiled on first use with the machine's C compiler
+# ($CC, else cc) into deltafy's cache folder; without a compiler, after a failed build, or with
+# DELTAFY_NATIVE=0, decoding takes the Python path of modeling_deltafy_inference.py instead,
+# which computes the same.
 #
 # Copied verbatim into every checkpoint next to modeling_deltafy.py; imports only the standard library.
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -79,26 +81,27 @@ _lock = threading.Lock()
 _kernel: list = []  # [the loaded kernel or None], once tried in this process
 
 
-def _compile(folder: Path, name: str, compiler: str) -> Path:
+def _compile(folder: Path, name: str, compiler: list[str]) -> Path:
     """Build the kernel in a private temporary folder, then move it to ``folder/name`` in one step
     (a concurrent process loads one whole library or builds its own)."""
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         source, built = Path(tmp) / "decode.c", Path(tmp) / name
         source.write_text(KERNEL_SOURCE)
-        command = [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [*compiler, *_FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True, text=True, timeout=120
+        )
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+            raise OSError(f"{compiler[0]} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
         os.replace(built, folder / name)
     return folder / name
 
 
 def _load():
-    compiler = os.environ.get("CC") or "cc"
-    if os.environ.get("DELTAFY_NATIVE", "1") == "0" or shutil.which(compiler) is None:
+    compiler = shlex.split(os.environ.get("CC") or "cc")  # (CC may carry flags: "ccache gcc -m64")
+    if os.environ.get("DELTAFY_NATIVE", "1") == "0" or not compiler or shutil.which(compiler[0]) is None:
         return None
-    key = "\0".join((KERNEL_SOURCE, compiler, *_FLAGS, platform.machine(), sys.platform))
+    key = "\0".join((KERNEL_SOURCE, *compiler, *_FLAGS, platform.machine(), sys.platform))
     name = f"decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     # (deltafy's cache folder, as deltafy.sources finds it; this file must not import deltafy)
     home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # 2-core test machines are often shared: one intra-op thread for the whole session.
 torch.set_num_threads(1)
 # Where there is a C compiler, decoding must take the compiled kernel (tests/test_native.py).
-HAS_C_COMPILER = shutil.which(os.environ.get("CC") or "cc") is not None
+HAS_C_COMPILER = shutil.which((shlex.split(os.environ.get("CC") or "cc") or [""])[0]) is not None
 
 _SMALL = dict(
     hidden_size=64,
