@@ -162,6 +162,7 @@ class DeltaSite(InferencePaths, nn.Module):
                     and self.force_beta is None
                     and self.beta_log is None
                     and x.numel() == n == c.numel()
+                    and x.dtype is c.dtype is _float32
                     and h.is_contiguous()
                     and x.is_contiguous()
                     and c.is_contiguous()

@@ -636,6 +636,7 @@ def test_few_token_fast_path_matches_the_tensor_path(scale, shape, decode_impl):
         assert torch.equal(_decode_path(site, x, c, h), fast)  # correct() took the decode path
         strided = torch.stack((x, torch.full_like(x, 1e4)), dim=-1)[..., 0]  # x, not contiguous
         torch.testing.assert_close(site.correct(strided, c, h), fast, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(site.correct(x.double(), c, h), fast, rtol=1e-5, atol=1e-4)  # x not fp32
     assert fast.shape == h.shape and (fast - h).abs().max() > 1.0  # the heads matter
     site.force_beta = 0.0
     with torch.no_grad():
