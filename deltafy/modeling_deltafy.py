@@ -163,6 +163,8 @@ class DeltaSite(InferencePaths, nn.Module):
                     and self.beta_log is None
                     and x.numel() == n == c.numel()
                     and x.dtype is c.dtype is _float32
+                    and x.is_cpu
+                    and c.is_cpu
                     and h.is_contiguous()
                     and x.is_contiguous()
                     and c.is_contiguous()
