@@ -89,6 +89,27 @@ def test_a_failing_compiler_falls_back_with_one_warning(fresh, monkeypatch, capl
 
 
 @needs_compiler
+@pytest.mark.parametrize("width", [4, 21, 576])  # no vector loop, a vector loop and a tail, SmolLM2's
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kernel_matches_the_tensor_path_at_any_width(width, rows):
+    site = DeltaSite(width, scale=0.5)
+    gen = torch.Generator().manual_seed(width)
+    with torch.no_grad():
+        site.gate.weight.normal_(generator=gen)
+        site.target.weight.normal_(generator=gen)
+        site.gate.bias.fill_(-0.5)
+        site.target.bias.fill_(0.3)
+    x, c, h = (torch.randn(rows, 1, width, generator=gen) * s for s in (40.0, 1.0, 3.0))
+    with torch.no_grad():
+        fast = site.correct(x, c, h)
+    assert _decoded_by(site) == "compiled"
+    with torch.enable_grad():
+        slow = site.correct(x, c, h)
+    assert (slow - h).abs().max() > 0.1  # the heads matter
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
 def test_a_cache_that_cannot_be_written_builds_for_the_process(fresh, monkeypatch):
     blocker = fresh.parent / "a-file"
     blocker.write_text("")
