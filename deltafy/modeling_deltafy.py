@@ -122,7 +122,7 @@ class DeltaSite(InferencePaths, nn.Module):
         if self.direction is not None:
             self.direction.reset_parameters()
 
-    # The decode path reads the heads through numpy views of their tensors; these replace the tensors.
+    # The decode path reads the heads' memory (numpy views, kernel pointers); these replace the tensors.
     def _apply(self, *args, **kwargs):
         self._decode = None
         return super()._apply(*args, **kwargs)

@@ -102,7 +102,7 @@ def test_kernel_matches_the_tensor_path_at_any_width(width, rows):
     x, c, h = (torch.randn(rows, 1, width, generator=gen) * s for s in (40.0, 1.0, 3.0))
     with torch.no_grad():
         fast = site.correct(x, c, h)
-    assert _decoded_by(site) == "compiled"
+    assert site._decode[7] is not None  # correct() had the kernel
     with torch.enable_grad():
         slow = site.correct(x, c, h)
     assert (slow - h).abs().max() > 0.1  # the heads matter
