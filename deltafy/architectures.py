@@ -16,19 +16,11 @@ algebra holds for the model at hand, so a wrong entry fails loudly instead of co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import DeltafyError
-
-
-@dataclass(frozen=True)
-class Site:
-    name: str
-    write: str
-    stream: str
-    context: str = "output"
-    norm_after: str | None = None
+from .modeling_deltafy import SiteSpec as Site
 
 
 @dataclass(frozen=True)
@@ -202,16 +194,9 @@ def layout_for(config) -> Layout:
     return Layout(layers=arch.layers, sites=sites, parallel=parallel, description=description)
 
 
-def site_specs(config, site_names: tuple[str, ...] | None = None) -> list[dict]:
-    """The per-site entries stored in a checkpoint's ``deltafy.sites``."""
+def site_specs(config, site_names: tuple[str, ...] | None = None) -> tuple[Site, ...]:
+    """The sites to convert in ``config``'s model, each with the layer's scale on its write."""
     arch = ARCHITECTURES[config.model_type]
     scale = float(getattr(config, arch.scale_attr)) if arch.scale_attr else 1.0
-    layout = layout_for(config)
-    specs = []
-    for site in layout.sites:
-        if site_names is not None and site.name not in site_names:
-            continue
-        entry = {k: v for k, v in asdict(site).items() if v is not None}
-        entry["scale"] = scale
-        specs.append(entry)
-    return specs
+    sites = layout_for(config).sites
+    return tuple(replace(s, scale=scale) for s in sites if site_names is None or s.name in site_names)

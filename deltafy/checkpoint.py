@@ -19,17 +19,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import modeling_deltafy, modeling_deltafy_inference, modeling_deltafy_native
+from . import modeling_deltafy
 from .errors import DeltafyError
 from .recipe import Recipe
 from .sources import _quiet_transformers, _restore_transformers
 
 MODELING_FILE = "modeling_deltafy.py"
-# Imported by MODELING_FILE (one by the other), copied verbatim; transformers fetches them along with it.
-COMPANION_FILES = {
-    module.__name__.rpartition(".")[2] + ".py": module
-    for module in (modeling_deltafy_inference, modeling_deltafy_native)
-}
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
 
 
@@ -101,11 +96,11 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
         code = _os_errno(err)
         if code == errno.ENOSPC:
-            raise DeltafyError(f"ran out of disk space while writing {out}; nothing was written") from None
+            raise DeltafyError(f"ran out of disk space while writing {out}; nothing was written") from err
         if isinstance(err, OSError):
-            raise DeltafyError(f"could not write {out}: {err.strerror or err}; nothing was written") from None
+            raise DeltafyError(f"could not write {out}: {err.strerror or err}; nothing was written") from err
         if code is not None:
-            raise DeltafyError(f"could not write {out}: {os.strerror(code)}; nothing was written") from None
+            raise DeltafyError(f"could not write {out}: {os.strerror(code)}; nothing was written") from err
         raise
     finally:
         if previous is not None:
@@ -114,8 +109,10 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
 
 def _move_into(src: Path, dest: Path) -> None:
     (dest / "config.json").unlink(missing_ok=True)
-    for stale in list(dest.glob("model*.safetensors")) + list(dest.glob("model*.safetensors.index.json")):
-        stale.unlink()
+    # (deltafy 0.1 checkpoints also carried modeling_deltafy_inference.py and modeling_deltafy_native.py)
+    stale = [*dest.glob("model*.safetensors"), *dest.glob("model*.safetensors.index.json"), *dest.glob("modeling_*.py")]
+    for path in stale:
+        path.unlink()
     entries = sorted(src.iterdir(), key=lambda p: p.name == "config.json")  # config.json last
     for entry in entries:
         target = dest / entry.name
@@ -164,12 +161,12 @@ def _model_card(config: dict, spec: dict, provenance: dict, check: dict | None) 
         same = "identical" if check["greedy_identical"] else "DIFFERENT"
         lines += [
             "",
-            "## Init equivalence (measured at conversion, fp32)",
+            f"## Init equivalence (measured at conversion, {check.get('dtype', 'float32')})",
             "",
             "| check | result |",
             "|---|---|",
             f"| max abs Δlogits vs original, default init | {check['max_abs_dlogits']:.2e} "
-            f"(tolerance {check['tolerance']:.0e}) |",
+            f"(tolerance {check['tolerance']:.2g}) |",
             f"| logits with β = 0 bitwise identical | {'yes' if check['beta_zero_bitwise'] else 'NO'} |",
             f"| greedy generation, {check['greedy_tokens']} tokens with KV cache | {same} |",
         ]
@@ -233,8 +230,6 @@ def save(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class))
-        for name, module in COMPANION_FILES.items():
-            (tmp / name).write_text(Path(module.__file__).read_text())
         (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -262,7 +257,7 @@ def read_config(path: str | Path) -> dict:
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise DeltafyError(f"could not read {file}: {err}") from None
+        raise DeltafyError(f"could not read {file}: {err}") from err
     if config.get("model_type") != "deltafy" or "deltafy" not in config:
         raise DeltafyError(f"{path} is not a deltafy checkpoint; convert it first with `deltafy convert`")
     version = config["deltafy"].get("format_version")
@@ -284,10 +279,10 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     try:
         base_config_class = CONFIG_MAPPING[spec["base_model_type"]]
         base_model_class = getattr(transformers, spec["base_architecture"])
-    except (KeyError, AttributeError):
+    except (KeyError, AttributeError) as err:
         raise DeltafyError(
             f"{path} needs a transformers that has {spec.get('base_architecture')}; upgrade transformers"
-        ) from None
+        ) from err
     config_class, model_class = modeling_deltafy.deltafy_classes(base_config_class, base_model_class)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
@@ -302,7 +297,7 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     except DeltafyError:
         raise
     except Exception as err:
-        raise DeltafyError(f"could not load {path}: {str(err).splitlines()[0]}") from None
+        raise DeltafyError(f"could not load {path}: {str(err).splitlines()[0]}") from err
     missing = list(info.get("missing_keys", ()))
     if missing:  # transformers would have filled them with random values
         raise DeltafyError(

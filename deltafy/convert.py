@@ -8,27 +8,27 @@ from torch import nn
 
 from .architectures import layout_for, site_specs
 from .errors import DeltafyError
-from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, apply_deltafy, delta_sites
+from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, DeltaSpec, apply_deltafy, delta_sites, remove_deltafy
 from .recipe import Recipe, load_recipe
 
 
 def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
-    """The ``deltafy`` config section that fully describes the surgery for ``config``'s model."""
+    """The ``deltafy`` config section that fully describes the surgery for ``config``'s model:
+    the DeltaSpec (what the modeling file reads) plus what a reader of the checkpoint wants to know."""
     layout = layout_for(config)
-    sites = site_specs(config, tuple(recipe.sites))
+    spec = DeltaSpec(
+        layers=layout.layers,
+        hidden_size=int(config.hidden_size),
+        sites=site_specs(config, tuple(recipe.sites)),
+        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps")},
+    )
     return {
         "format_version": DELTAFY_FORMAT_VERSION,
         "base_model_type": config.model_type,
         "base_architecture": architecture or (config.architectures or [None])[0],
-        "layers": layout.layers,
         "layout": layout.description,
         "parallel": layout.parallel,
-        "hidden_size": int(config.hidden_size),
-        "sites": sites,
-        "direction": recipe.direction,
-        "rank": recipe.rank,
-        "gate_bias": recipe.gate_bias,
-        "eps": recipe.eps,
+        **spec.to_dict(),
         "recipe": recipe.model_dump(mode="json"),
     }
 
@@ -40,9 +40,9 @@ def is_converted(model: nn.Module) -> bool:
 def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
     """Turn every residual write of ``model`` into a DDL write, in place, and return it.
 
-    The model's outputs are unchanged up to the gate's initial beta (about 2e-7); the new heads
+    The model's outputs are unchanged up to the gate's initial beta (about 3e-8); the new heads
     are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a YAML
-    path (default: the paper's scalar recipe).
+    path (default: the paper's scalar recipe). :func:`unconvert` undoes it.
     """
     if is_converted(model):
         raise DeltafyError("this model is already a deltafy model; convert the original instead")
@@ -52,8 +52,20 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
     try:
         apply_deltafy(model, spec)
     except ValueError as err:
-        raise DeltafyError(str(err).removeprefix("deltafy: ")) from None
+        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
     config.deltafy = spec
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Remove the DDL heads and restore the original forwards, in place: the original model again,
+    bitwise (whatever the heads learned is dropped). A wrapper installed on a site module after
+    conversion (accelerate's hooks, say) stays in place and keeps working."""
+    try:
+        remove_deltafy(model)
+    except ValueError as err:
+        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    model.config.__dict__.pop("deltafy", None)
     return model
 
 
@@ -99,4 +111,4 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     ]
 
 
-__all__ = ["convert", "build_spec", "summarize", "head_parameter_groups", "is_converted", "DeltaSite"]
+__all__ = ["convert", "unconvert", "build_spec", "summarize", "head_parameter_groups", "is_converted", "DeltaSite"]

@@ -1,51 +1,72 @@
 # Deep Delta Learning residuals for pretrained Hugging Face decoders.
 #
 # This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
-# lines that bind it to the base model class, and next to modeling_deltafy_inference.py. Both must
-# import only torch and transformers.
+# lines that bind it to the base model class. It imports only torch and transformers, and it is
+# the one implementation of the math: training, evaluation, decoding and torch.compile all run it.
 #
-# Every residual write x <- x + h becomes
+# Every residual write x <- x + m*h (m: the layer's own scale on the write, usually 1) becomes
 #
-#     x <- x + h + beta * (v - k^T x) * k        (Zhang et al., "Deep Delta Learning", 2026)
+#     x <- x + m*h + beta * (v - k^T x) * k        (Zhang et al., "Deep Delta Learning", 2026)
 #
-# k: unit direction, either the sublayer's own write (k = h / ||h||) or a learned head on c;
+# k: unit direction, the sublayer's own write (k = m h / |m h|) or a learned head on c;
 # v: scalar target for the readout k^T x, in units of the stream's RMS;
 # beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, normalized to unit length.
 # The gate bias starts very negative, so a fresh conversion behaves like the original model.
 from __future__ import annotations
 
+import contextlib
 import threading
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modeling_deltafy_inference import FEW_ROWS, InferencePaths
-
 DELTAFY_FORMAT_VERSION = 1
 
-# Stream/context tensors travel from the capture step to the write step of one site. They are
-# kept per thread so that concurrent forwards on one model instance never see each other's.
-_STASH = threading.local()
+
+# -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
+@dataclass(frozen=True)
+class SiteSpec:
+    """One residual write ``x <- x + scale * h`` of a decoder layer."""
+
+    name: str  # "attn" or "mlp"
+    write: str  # the module whose output is h (the last module before the addition)
+    stream: str = ""  # the module whose first input is the stream x ("" = the layer itself)
+    context: str = "output"  # c is the stream module's output (pre-norm) or its "input" x
+    scale: float = 1.0  # the layer adds scale * h (Granite's residual_multiplier)
+    norm_after: str | None = None  # post-LN: the norm applied to x + h (read by the self-check)
 
 
-# (module-level names: one lookup each on the decode path)
-_is_grad_enabled, _is_compiling, _float32 = torch.is_grad_enabled, torch.compiler.is_compiling, torch.float32
+@dataclass(frozen=True)
+class DeltaSpec:
+    """The conversion: which writes of which layers become DDL writes, and how the heads start."""
+
+    layers: str  # path of the decoder layer list, e.g. "model.layers"
+    hidden_size: int
+    sites: tuple[SiteSpec, ...]
+    direction: str = "sublayer"  # k = the sublayer's normalized write (paper), or "learned" from c
+    rank: int | None = None  # rank of a learned direction (None: a full d x d matrix)
+    gate_bias: float = -18.0  # initial gate logit: beta = 2 sigmoid(-18) = 3e-8
+    eps: float = 1e-6  # k = kr / sqrt(|kr|^2 + eps^2)
+
+    def __post_init__(self):
+        if self.direction not in ("sublayer", "learned"):
+            raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {self.direction!r}")
+        if self.rank is not None and self.direction != "learned":
+            raise ValueError("deltafy: rank applies only to a learned direction")
+        object.__setattr__(self, "sites", tuple(s if isinstance(s, SiteSpec) else SiteSpec(**s) for s in self.sites))
+
+    @classmethod
+    def from_dict(cls, section: dict) -> DeltaSpec:
+        """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
+        return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"sites": [{k: v for k, v in asdict(s).items() if v is not None} for s in self.sites]}
 
 
-def _stash() -> dict:
-    store = getattr(_STASH, "sites", None)
-    if store is None:
-        store = _STASH.sites = {}
-    return store
-
-
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    return kwargs["hidden_states"]
-
-
+# -- the math ------------------------------------------------------------------------------------
 class DeltaDirection(nn.Module):
     """Learned direction head k = normalize(W_k c), W_k full or factored as up @ down (rank r)."""
 
@@ -62,25 +83,23 @@ class DeltaDirection(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         if self.rank is None:
-            # Start at k = normalize(c): the direction the sublayer read from.
-            nn.init.eye_(self.proj.weight)
+            nn.init.eye_(self.proj.weight)  # start at k = normalize(c): the direction the sublayer read from
         else:
             nn.init.normal_(self.down.weight, std=self.down.in_features**-0.5)
             nn.init.normal_(self.up.weight, std=self.up.in_features**-0.5)
 
     def forward(self, c: torch.Tensor) -> torch.Tensor:
-        # Weights may be stored in bf16; the direction is computed in c's (fp32) precision.
         if self.rank is None:
-            return F.linear(c, self.proj.weight.to(c.dtype))
-        return F.linear(F.linear(c, self.down.weight.to(c.dtype)), self.up.weight.to(c.dtype))
+            return F.linear(c, self.proj.weight.type_as(c))
+        return F.linear(F.linear(c, self.down.weight.type_as(c)), self.up.weight.type_as(c))
 
 
-class DeltaSite(InferencePaths, nn.Module):
-    """The DDL heads of one residual write (one site): gate beta, target v, optional direction k.
+class DeltaSite(nn.Module):
+    """The DDL heads of one residual write (a site): gate beta, target v, optional direction k.
 
-    Attached to the decoder layer as ``layer.delta[site]``; its two steps run inside the layer's
-    own modules (see _SiteCall): the capture of x and c after the module whose input is the stream
-    x, ``correct`` after the module whose output h is added to the stream.
+    Attached to its decoder layer as ``layer.delta[name]``. ``forward(x, c, h)`` returns the write
+    h' that the layer adds in place of h; the surgery (_SiteCall) calls it with the stream x, the
+    context c and the write h of the layer's own modules.
     """
 
     def __init__(
@@ -95,22 +114,20 @@ class DeltaSite(InferencePaths, nn.Module):
     ):
         super().__init__()
         if direction not in ("sublayer", "learned"):
-            raise ValueError(f"direction must be 'sublayer' or 'learned', got {direction!r}")
+            raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {direction!r}")
+        if not scale > 0:
+            raise ValueError(f"deltafy: the scale on a residual write must be positive, got {scale}")
         self.hidden_size = hidden_size
-        self.direction_kind = direction
         self.gate_bias_init = float(gate_bias)
         self.eps = float(eps)
-        self.scale = float(scale)  # the layer adds scale * h (Granite's residual_multiplier)
-        self.context = context  # "output": c = stream module's output; "input": c = x
+        self.scale = float(scale)
+        self.context = context
         self.gate = nn.Linear(hidden_size, 1)
         self.target = nn.Linear(hidden_size, 1)
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
-        self.force_beta: float | None = None  # set by tests and the self-check
-        self.beta_log: list | None = None  # when a list, each forward appends its mean beta
-        self._decode = None  # what the decode path reads (InferencePaths._decode_heads), built on first use
+        self.where = ""  # "stream -> write", shown by print(model)
         self.reset_parameters()
-        # Our own init is final: transformers must not re-initialize these as missing weights.
-        for module in self.modules():
+        for module in self.modules():  # our init is final: transformers must not re-initialize these
             module._is_hf_initialized = True
 
     @torch.no_grad()
@@ -122,216 +139,197 @@ class DeltaSite(InferencePaths, nn.Module):
         if self.direction is not None:
             self.direction.reset_parameters()
 
-    # The decode path reads the heads' memory (numpy views, kernel pointers); these replace the tensors.
-    def _apply(self, *args, **kwargs):
-        self._decode = None
-        return super()._apply(*args, **kwargs)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._decode = None
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def __getstate__(self):  # a copy (deepcopy, pickle) must view its own tensors
-        return {**super().__getstate__(), "_decode": None}
-
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, direction={self.direction_kind}, scale={self.scale}"
+        kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
+        return f"{self.where}, direction={kind}, scale={self.scale:g}"
 
-    # -- math --------------------------------------------------------------------------------
-    def correct(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Return h' such that the layer's ``x + scale * h'`` equals x + scale*h + beta(v - k^T x)k."""
-        # Without autograd, the paths of modeling_deltafy_inference.py do the same math with less
-        # work. (Under torch.compile the tensor path below fuses instead; scalars would break the graph.)
-        # Decoding on CPU comes first and checks least: it is bound by per-call overhead.
-        decode = self._decode
-        if decode is None and not _is_compiling():
-            decode = self._decode = self._decode_heads()
-        if (
-            decode
-            and h.is_cpu
-            and h.dtype is _float32
-            and not _is_grad_enabled()
-            and not _is_compiling()
-            and not x.requires_grad  # (an input leaf may require grad under no_grad)
-        ):
-            d, n = decode[4], h.numel()
-            if n <= FEW_ROWS * d:
-                native = decode[7]
-                if (
-                    native is not None
-                    and self.force_beta is None
-                    and self.beta_log is None
-                    and x.numel() == n == c.numel()
-                    and x.dtype is c.dtype is _float32
-                    and x.is_cpu
-                    and c.is_cpu
-                    and h.is_contiguous()
-                    and x.is_contiguous()
-                    and c.is_contiguous()
-                ):  # the compiled kernel of modeling_deltafy_native.py: one call, into the output
-                    out = torch.empty_like(h)
-                    native(c.data_ptr(), x.data_ptr(), h.data_ptr(), out.data_ptr(), n // d)
-                    return out
-                if n == d:  # one token in Python: a single torch op, the write
-                    gain = self._row_gain(c.numpy().reshape(d), x.numpy().reshape(d), h.numpy().reshape(d), decode)
-                    return torch.add(h, h, alpha=gain)
-                return self._correct_rows(x, c, h, decode)
-        device = "cpu" if h.is_cpu else h.device.type  # (h.device costs more than the check itself)
-        if torch.is_autocast_enabled(device):
-            # Autocast would run the heads and the Gram matmuls in bf16/fp16; the correction stays fp32.
-            with torch.autocast(device, enabled=False):
-                return self.correct(x, c, h)
-        if not _is_grad_enabled() and not _is_compiling():
-            if self.direction is None:
-                return self._correct_tokens(x, c, h).view(h.shape).to(h.dtype)
-            if self.direction.rank is not None:
-                if h.is_cpu and h.numel() == h.shape[-1] and h.dim() in (2, 3):
-                    return self._correct_learned_token(x, c, h)
-                return self._correct_learned_tokens(x, c, h).view(h.shape).to(h.dtype)
+    def heads(self, c: torch.Tensor):
+        """Gate logit g and target u per token, shaped (..., 1): beta = 2 sigmoid(g), and the target
+        v = u rms(x) is in units of the stream's rms, so one learning rate fits models of any scale.
+        Both read the unit-length context c/|c| (an Adam step of size lr then moves them by at most
+        lr*sqrt(d), whatever the model's norms); dividing by |c| after the matmul normalizes c for free.
+        Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider)."""
+        inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c).unsqueeze(-1) + 1e-6)
+        g = torch.addcmul(self.gate.bias.type_as(c), F.linear(c, self.gate.weight.type_as(c)), inv_norm_c)
+        u = torch.addcmul(self.target.bias.type_as(c), F.linear(c, self.target.weight.type_as(c)), inv_norm_c)
+        return g, u, inv_norm_c
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h' such that the layer's ``x + m h'`` is ``x + m h + beta (v - k^T x) k``, computed in fp32
+        (or in h's precision where that is wider) and cast back to h's dtype."""
+        if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
+            with torch.autocast(h.device.type, enabled=False):
+                return self.forward(x, c, h)
         dtype = h.dtype
-        if dtype != torch.float32:
-            x, c, h = x.float(), c.float(), h.float()
-        inv_d = 1.0 / x.shape[-1]
-        weight = torch.cat((self.gate.weight, self.target.weight)).float()
-        bias = torch.cat((self.gate.bias, self.target.bias)).float()
-        # The heads read the unit-length context c/|c|: an Adam step of size lr on every weight then
-        # moves a head's output by at most lr*sqrt(d), whatever the model's width or norm gains.
-        # Both heads run as one matmul, and dividing by |c| afterwards normalizes c for free.
-        inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c) + 1e-6)
-        g, v = torch.addcmul(bias, F.linear(c, weight), inv_norm_c.unsqueeze(-1)).unbind(-1)
-        if self.force_beta is None:
-            beta = torch.sigmoid(g) * 2.0
-        else:
-            beta = torch.full_like(g, self.force_beta)
-        if self.beta_log is not None:
-            self.beta_log.append(beta.detach().mean())
-        # The target lives in the stream's units (rms of x), so one lr fits models of any scale.
-        # (clamped: sqrt's gradient at an all-zero stream row, e.g. a zero pad embedding, is inf)
-        v = v * torch.sqrt(torch.linalg.vecdot(x, x).clamp_min(1e-30) * inv_d)
-        m = self.scale
+        work = torch.promote_types(dtype, torch.float32)
+        if not x.dtype == c.dtype == dtype == work:
+            x, c, h = x.to(work), c.to(work), h.to(work)
+        g, u, inv_norm_c = self.heads(c)
+        # k = kr / n with n = sqrt(|kr|^2 + eps^2): the sublayer's own write (kr = h, with the
+        # layer's scale m on it folded into eps) or a learned head on the unit context.
         if self.direction is None:
-            # k = m h / n with n = sqrt(|m h|^2 + eps^2): the correction is a per-token gain on h.
-            hh = torch.linalg.vecdot(h, h)
-            n = torch.sqrt((hh * (m * m) if m != 1.0 else hh) + self.eps**2)
-            gain = beta * torch.addcdiv(v, torch.linalg.vecdot(h, x), n, value=-m) / n
-            out = torch.addcmul(h, h, gain.unsqueeze(-1))
+            kr, eps = h, self.eps / self.scale
         else:
-            kr = self.direction(c * inv_norm_c.unsqueeze(-1))
-            k = kr * torch.rsqrt(torch.linalg.vecdot(kr, kr) + self.eps**2).unsqueeze(-1)
-            coef = beta * (v - torch.linalg.vecdot(k, x))
-            out = torch.addcmul(h, k, (coef / m if m != 1.0 else coef).unsqueeze(-1))
-        return out.to(dtype)
+            kr, eps = self.direction(c * inv_norm_c), self.eps
+        n = torch.sqrt(torch.linalg.vecdot(kr, kr).unsqueeze(-1) + eps * eps)
+        # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
+        x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        miss = torch.addcmul(torch.linalg.vecdot(kr, x).unsqueeze(-1) / n, u, x_norm, value=-(self.hidden_size**-0.5))
+        # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
+        out = torch.addcmul(h, kr, torch.sigmoid(g) * miss / n, value=-2.0 / self.scale)
+        return out if out.dtype == dtype else out.to(dtype)
+
+
+# -- the surgery ---------------------------------------------------------------------------------
+# Stream and context travel from a site's capture to its write. They are kept per thread, so that
+# concurrent forwards on one model never see each other's.
+_STASH = threading.local()
+
+
+def _stash() -> dict:
+    try:
+        return _STASH.sites
+    except AttributeError:
+        _STASH.sites = {}
+        return _STASH.sites
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
 
 
 class _SiteCall:
     """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
-    forward, then the capture step of every site whose stream it is (x and c kept for the write)
-    and the write step of every site whose write it is (h replaced by ``site.correct(x, c, h)``);
-    OPT's post-LN attention is both.
+    forward (or the wrapper someone installed before us), then the capture of x and c for every
+    site whose stream it is, and the write ``h <- site(x, c, h)`` of every site whose write it is
+    (OPT's post-LN attention is both).
 
-    An instance attribute rather than forward hooks: a hooked call takes torch's slow call path
-    (~4 us of Python per call, twice per site, which shows at decode time), while a module whose
-    ``forward`` is replaced keeps the fast path; the correction is also plain code that
-    torch.compile traces.
+    An instance attribute rather than forward hooks: torch.compile traces it as plain code, and a
+    module without hooks keeps torch's fast call path. ``enabled`` False (deltafy.disabled) makes
+    it a pass-through; so does an empty site list (deltafy.unconvert under someone else's wrapper).
     """
 
     def __init__(self, module: nn.Module):
         self.module = module
-        # A wrapper someone installed before us (accelerate's device hooks) keeps running inside.
-        self.inner = module.__dict__.get("forward")
+        self.inner = module.__dict__.get("forward")  # e.g. accelerate's hooks; they keep running inside
         self.captures: list[DeltaSite] = []
         self.writes: list[DeltaSite] = []
+        self.enabled = True
 
     def __call__(self, *args, **kwargs):
         if self.inner is None:
             output = type(self.module).forward(self.module, *args, **kwargs)
         else:
             output = self.inner(*args, **kwargs)
-        # (written out in this one frame: at decode time every Python call shows)
-        try:
-            stash = _STASH.sites
-        except AttributeError:
-            stash = _stash()
-        if self.captures:  # stash (x, c) for the write
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
-            out = output[0] if isinstance(output, tuple) else output
-            for site in self.captures:
-                stash[id(site)] = (x, x if site.context == "input" else out)
-        if self.writes:  # h' = correct(x, c, h) in place of h
-            for site in self.writes:
-                try:
-                    x, c = stash.pop(id(site))
-                except KeyError:
-                    raise RuntimeError(
-                        "deltafy: a residual write ran before its stream was captured; the site map does "
-                        "not match this model's layer code"
-                    ) from None
-                if isinstance(output, tuple):
-                    output = (site.correct(x, c, output[0]),) + output[1:]
-                else:
-                    output = site.correct(x, c, output)
+        if not self.enabled:
+            return output
+        stash = _stash()
+        for site in self.captures:
+            x = _first_tensor(args, kwargs)
+            stash[id(site)] = (x, x if site.context == "input" else output[0] if isinstance(output, tuple) else output)
+        for site in self.writes:
+            try:
+                x, c = stash.pop(id(site))
+            except KeyError:
+                raise RuntimeError(
+                    "deltafy: a residual write ran before its stream was captured; the site map does "
+                    "not match this model's layer code"
+                ) from None
+            if isinstance(output, tuple):
+                output = (site(x, c, output[0]),) + output[1:]
+            else:
+                output = site(x, c, output)
         return output
 
+    def extra_repr(self) -> str:
+        """The module's own extra_repr plus the sites it carries: print(model) shows the surgery."""
+        roles = [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
+        own = type(self.module).extra_repr(self.module)
+        return ", ".join(filter(None, (own, "deltafy: " + ", ".join(roles) if roles else "")))
 
-# -- surgery ------------------------------------------------------------------------------------
-def _layers(model: nn.Module, spec: dict) -> nn.ModuleList:
+
+def _layers(model: nn.Module, path: str) -> nn.ModuleList:
     try:
-        layers = model.get_submodule(spec["layers"])
-    except AttributeError:
-        raise ValueError(f"deltafy: this model has no decoder layers at {spec['layers']!r}") from None
+        layers = model.get_submodule(path)
+    except AttributeError as err:
+        raise ValueError(f"deltafy: this model has no decoder layers at {path!r}") from err
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"deltafy: {spec['layers']!r} is not a non-empty list of decoder layers")
+        raise ValueError(f"deltafy: {path!r} is not a non-empty list of decoder layers")
     return layers
 
 
-def apply_deltafy(model: nn.Module, spec: dict) -> nn.Module:
+def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     """Attach DDL heads to every site of every decoder layer of ``model``, in place.
 
-    ``spec`` is the ``deltafy`` section of a converted config: ``layers`` (path of the decoder
-    layer list), ``hidden_size``, ``sites`` (per site: ``name``, ``stream``, ``write``, ``context``, ``scale``),
-    ``direction``, ``rank``, ``gate_bias`` and ``eps``.
+    ``spec`` is a DeltaSpec or the ``deltafy`` section of a converted config. Every module is
+    resolved before anything is attached, so a map that does not fit leaves the model untouched.
     """
+    if not isinstance(spec, DeltaSpec):
+        spec = DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise ValueError("deltafy: this model is already converted")
-    ref = next(model.parameters())
-    # Resolve every module first, so a map that does not fit leaves the model untouched.
     plan = []
-    for layer in _layers(model, spec):
-        for site in spec["sites"]:
+    for layer in _layers(model, spec.layers):
+        for site in spec.sites:
             try:
-                stream = layer.get_submodule(site["stream"]) if site.get("stream") else layer
-                write = layer.get_submodule(site["write"])
+                stream = layer.get_submodule(site.stream) if site.stream else layer
+                write = layer.get_submodule(site.write)
             except AttributeError as err:
                 raise ValueError(
-                    f"deltafy: site {site['name']!r} names a module that {type(layer).__name__} does not have ({err})"
-                ) from None
+                    f"deltafy: site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
+                ) from err
             plan.append((layer, site, stream, write))
+    ref = next(model.parameters())
     calls: dict[int, _SiteCall] = {}
-
-    def call_of(module: nn.Module) -> _SiteCall:
-        if id(module) not in calls:
-            calls[id(module)] = _SiteCall(module)
-        return calls[id(module)]
-
     for layer, site, stream, write in plan:
         delta = DeltaSite(
-            hidden_size=spec["hidden_size"],
-            direction=spec.get("direction", "sublayer"),
-            rank=spec.get("rank"),
-            gate_bias=spec.get("gate_bias", -18.0),
-            eps=spec.get("eps", 1e-6),
-            scale=site.get("scale", 1.0),
-            context=site.get("context", "output"),
+            spec.hidden_size, spec.direction, spec.rank, spec.gate_bias, spec.eps, site.scale, site.context
         ).to(device=ref.device, dtype=ref.dtype)
+        delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
-        layer.delta[site["name"]] = delta
-        call_of(stream).captures.append(delta)
-        call_of(write).writes.append(delta)
+        layer.delta[site.name] = delta
+        calls.setdefault(id(stream), _SiteCall(stream)).captures.append(delta)
+        calls.setdefault(id(write), _SiteCall(write)).writes.append(delta)
     for call in calls.values():
         call.module.forward = call
+        call.module.extra_repr = call.extra_repr
     model._deltafy_calls = list(calls.values())
     return model
+
+
+def remove_deltafy(model: nn.Module) -> nn.Module:
+    """Undo apply_deltafy in place: the original forwards back, the heads gone (see deltafy.unconvert)."""
+    calls = model.__dict__.pop("_deltafy_calls", None)
+    if not calls:
+        raise ValueError("deltafy: this model is not converted")
+    for call in calls:
+        module = call.module
+        module.__dict__.pop("extra_repr", None)
+        if module.__dict__.get("forward") is call:
+            del module.forward
+            if call.inner is not None:
+                module.forward = call.inner
+        else:  # a wrapper installed after ours still calls it: leave it there as a pass-through
+            call.captures, call.writes = [], []
+    for module in model.modules():
+        if isinstance(getattr(module, "delta", None), nn.ModuleDict):
+            del module.delta
+    return model
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module):
+    """Run ``model`` with every DDL correction off (beta = 0 exactly), like peft's disable_adapter()."""
+    calls = getattr(model, "_deltafy_calls", None) or []
+    previous = [call.enabled for call in calls]
+    for call in calls:
+        call.enabled = False
+    try:
+        yield model
+    finally:
+        for call, enabled in zip(calls, previous, strict=True):
+            call.enabled = enabled
 
 
 def delta_sites(model: nn.Module):
@@ -341,26 +339,24 @@ def delta_sites(model: nn.Module):
             yield name, module
 
 
-def set_forced_beta(model: nn.Module, value: float | None) -> None:
-    """Pin beta at ``value`` on every site (``None`` restores the learned gates)."""
-    for _, site in delta_sites(model):
-        site.force_beta = value
-
-
 def mean_betas(model: nn.Module, run) -> dict[str, float]:
     """Mean beta per site (qualified name) over whatever forwards ``run()`` performs."""
-    sites = dict(delta_sites(model))
-    for site in sites.values():
-        site.beta_log = []
+    betas: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, site in delta_sites(model):
+        betas[name] = []
+
+        def record(site, args, log=betas[name]):
+            c = args[1].to(torch.promote_types(args[1].dtype, torch.float32))
+            log.append(2.0 * torch.sigmoid(site.heads(c)[0].detach()).float().mean())
+
+        handles.append(site.register_forward_pre_hook(record))
     try:
         run()
-        return {
-            name: float(torch.stack(site.beta_log).mean()) if site.beta_log else float("nan")
-            for name, site in sites.items()
-        }
     finally:
-        for site in sites.values():
-            site.beta_log = None
+        for handle in handles:
+            handle.remove()
+    return {name: float(torch.stack(log).mean()) if log else float("nan") for name, log in betas.items()}
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type) -> tuple[type, type]:

@@ -83,7 +83,9 @@ def convert_source(
     """Convert ``source`` (Hub id, folder, .gguf or alias) and save it at ``out``.
 
     With ``verify`` the converted model is compared with the original before anything is
-    written; a failed check raises and leaves ``out`` untouched.
+    written, in the dtype it was loaded in; a failed check raises and leaves ``out`` untouched.
+    ``tolerance`` bounds max |Δlogits| in fp32; in bf16/fp16 the bound is at least the logits' own
+    rounding (verify.logit_tolerance).
     """
     out = Path(out).expanduser()
     check_output_dir(out, overwrite)
@@ -106,7 +108,8 @@ def convert_source(
         check = self_check(model, reference, tolerance=tolerance)
         if not check.passed:
             raise DeltafyError(
-                f"self-check failed: max |Δlogits| {check.max_abs_dlogits:.3g} (tolerance {tolerance:g}), "
+                f"self-check failed: max |Δlogits| {check.max_abs_dlogits:.3g} "
+                f"(tolerance {check.tolerance:.3g} in {check.dtype}), "
                 f"β=0 bitwise {check.beta_zero_bitwise}, greedy identical {check.greedy_identical}; "
                 f"nothing was written (try a more negative gate_bias in the recipe)"
             )

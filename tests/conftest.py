@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nearly every test runs tiny models, where thread start-up costs more than the math, and the
 # 2-core test machines are often shared: one intra-op thread for the whole session.
 torch.set_num_threads(1)
-# Where there is a C compiler, decoding must take the compiled kernel (tests/test_native.py).
-HAS_C_COMPILER = shutil.which((shlex.split(os.environ.get("CC") or "cc") or [""])[0]) is not None
 
 _SMALL = dict(
     hidden_size=64,
@@ -86,6 +83,41 @@ def tiny_model(case: str, seed: int = 0):
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(case)).eval()
+
+
+@contextlib.contextmanager
+def gates_at(model: torch.nn.Module, beta: float):
+    """Pin every gate of a converted model (or one DeltaSite) at ``beta`` in {0, 1, 2}, exactly in
+    fp32 (a zero gate weight and a logit of -200, 0 or +200), and restore the gates afterwards."""
+    from deltafy.modeling_deltafy import DeltaSite
+
+    logit = {0.0: -200.0, 1.0: 0.0, 2.0: 200.0}[float(beta)]
+    sites = [model] if isinstance(model, DeltaSite) else [m for m in model.modules() if isinstance(m, DeltaSite)]
+    saved = [(s.gate.weight.detach().clone(), s.gate.bias.detach().clone()) for s in sites]
+    with torch.no_grad():
+        for site in sites:
+            site.gate.weight.zero_()
+            site.gate.bias.fill_(logit)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for site, (weight, bias) in zip(sites, saved, strict=True):
+                site.gate.weight.copy_(weight)
+                site.gate.bias.copy_(bias)
+
+
+def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every head of a converted model a visible effect, so a misrouted tensor shows in the logits."""
+    from deltafy.modeling_deltafy import DeltaSite
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for site in (m for m in model.modules() if isinstance(m, DeltaSite)):
+            site.gate.bias.fill_(0.0)
+            site.gate.weight.copy_(0.5 * torch.randn(site.gate.weight.shape, generator=gen))
+            site.target.weight.copy_(0.5 * torch.randn(site.target.weight.shape, generator=gen))
+            site.target.bias.fill_(0.3)
 
 
 @pytest.fixture(params=sorted(TINY_CASES))

@@ -6,21 +6,43 @@ tests below; tests that change a model's heads restore them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import TINY_CASES, tiny_config, tiny_model
+from conftest import TINY_CASES, gates_at, tiny_config, tiny_model
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+import deltafy
 from deltafy import DeltafyError, convert, load_recipe
 from deltafy.architectures import ARCHITECTURES, SUPPORTED, layout_for
 from deltafy.convert import build_spec, is_converted
-from deltafy.modeling_deltafy import DeltaSite, apply_deltafy, delta_sites, mean_betas, set_forced_beta
-from deltafy.verify import Reference, check_site_map, forced_beta, make_inputs, record_reference, self_check
+from deltafy.modeling_deltafy import DeltaSite, apply_deltafy, delta_sites, mean_betas
+from deltafy.verify import Reference, check_site_map, logit_tolerance, make_inputs, record_reference, self_check
 
 NEW_TOKENS = 32
 LEARNED_CASES = ["llama-tied", "gpt2", "gpt_neox-parallel", "opt-post-ln", "gemma2", "granite", "falcon-new-2ln"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _loud_llama(scale: float = 1e4):
+    """A tiny llama whose residual stream has a real model's norms (about 2e3 here; SmolLM2-135M's
+    are about 700): the embeddings and every write (o_proj, down_proj) scaled up. Every sublayer
+    and the head read the stream through an RMSNorm, so it computes nearly the same function."""
+    model = tiny_model("llama-untied")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(scale)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    return model
 
 
 @dataclass
@@ -50,10 +72,19 @@ def converted(_cache):
             convert(model, recipe)
             _cache[key] = Converted(model, original, names, tied, reference)
         entry = _cache[key]
-        assert all(site.force_beta is None for _, site in delta_sites(entry.model)), "a test leaked force_beta"
+        _assert_as_converted(entry.model)
         return entry
 
     return get
+
+
+def _assert_as_converted(model):
+    """No earlier test left a gate pinned, a target changed or the corrections disabled."""
+    for name, site in delta_sites(model):
+        pinned = site.gate.weight.any() or not torch.all(site.gate.bias == site.gate_bias_init)
+        assert not pinned, f"{name}: gate left pinned"
+        assert not site.target.weight.any() and not site.target.bias.any(), f"{name}: target left changed"
+    assert all(call.enabled for call in model._deltafy_calls), "a test left the corrections disabled"
 
 
 def _logits(model, reference: Reference) -> torch.Tensor:
@@ -64,6 +95,7 @@ def _logits(model, reference: Reference) -> torch.Tensor:
 def _assert_self_check(entry: Converted):
     report = self_check(entry.model, entry.reference)
     assert report.beta_zero_bitwise, "beta = 0 must give bitwise the original logits"
+    assert report.dtype == "float32" and report.tolerance == 1e-3
     assert report.max_abs_dlogits <= 1e-3, report
     assert report.greedy_tokens == NEW_TOKENS
     assert report.greedy_identical, "greedy generation with the KV cache changed"
@@ -110,22 +142,19 @@ def test_sites_and_original_parameters(case, converted):
     assert tied == entry.tied
 
 
-def test_forced_beta_one_changes_logits_at_every_site(case, converted):
+def test_beta_one_changes_logits_at_every_site(case, converted):
     entry = converted(case)
     model, reference = entry.model, entry.reference
     scale = reference.logits.abs().max().item()
-    set_forced_beta(model, 1.0)
-    try:
+    with gates_at(model, 1.0):
         betas = mean_betas(model, lambda: _logits(model, reference))
         changed = _logits(model, reference)
-    finally:
-        set_forced_beta(model, None)
-    # every site's write hook ran, exactly with the forced beta
+    # every site's write ran, exactly with the pinned beta
     assert len(betas) == 2 * model.config.num_hidden_layers
     assert all(b == 1.0 for b in betas.values()), betas
     diff = (changed - reference.logits).abs().max().item()
     assert diff > 0.02 * scale, f"beta = 1 moved the logits by only {diff:.3g} (logit scale {scale:.3g})"
-    # and releasing the force restores the original model
+    # and releasing the gates restores the original model
     assert (_logits(model, reference) - reference.logits).abs().max() <= 1e-3
 
 
@@ -159,16 +188,133 @@ def test_learned_recipe_passes_self_check(case_name, converted):
     assert spec["direction"] == "learned" and spec["rank"] == 16
     assert all(site.direction is not None and site.direction.rank == 16 for _, site in delta_sites(entry.model))
     _assert_self_check(entry)
-    with forced_beta(entry.model, 1.0):
+    with gates_at(entry.model, 1.0):
         changed = _logits(entry.model, entry.reference)
     assert (changed - entry.reference.logits).abs().max() > 0.02 * entry.reference.logits.abs().max()
+
+
+# -- every dtype a checkpoint comes in ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=_name)
+def test_self_check_passes_in_low_precision(case, dtype):
+    """bf16 and fp16 models convert as they are, checked against the stock model in their own dtype."""
+    model = tiny_model(case).to(dtype)
+    reference = record_reference(model, *make_inputs(model), new_tokens=NEW_TOKENS)
+    convert(model)
+    assert {p.dtype for _, site in delta_sites(model) for p in site.parameters()} == {dtype}
+    report = self_check(model, reference)
+    assert report.dtype == _name(dtype)
+    assert report.tolerance == max(1e-3, 4 * torch.finfo(dtype).eps * reference.logits.abs().max().item())
+    assert report.beta_zero_bitwise, "with the corrections disabled the logits must be bitwise the original's"
+    assert report.greedy_tokens == NEW_TOKENS and report.greedy_identical
+    # At the default init the correction is far below half an ulp of every write, so in bf16/fp16 it
+    # rounds away entirely: the converted model is bitwise the original, not just within tolerance.
+    assert report.max_abs_dlogits == 0.0, report
+    assert report.passed
+
+
+def test_logit_tolerance_is_fixed_in_fp32_and_the_logits_rounding_below():
+    small, large = torch.tensor([0.5, -1.0]), torch.tensor([3.0, -40.0])
+    assert logit_tolerance(torch.float32, large * 1e3) == 1e-3  # fp32: exactly the tolerance asked for
+    assert logit_tolerance(torch.float64, large, 1e-5) == 1e-5
+    assert logit_tolerance(torch.bfloat16, small) == 4 * 2**-7 * 1.0
+    assert logit_tolerance(torch.bfloat16, large) == 4 * 2**-7 * 40.0  # a bf16 logit of 40 moves in steps of 0.25
+    assert logit_tolerance(torch.float16, large) == 4 * 2**-10 * 40.0
+    assert logit_tolerance(torch.float16, small * 1e-3) == 1e-3  # never tighter than asked
+    assert logit_tolerance(torch.bfloat16, large, 10.0) == 10.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_loud_stream_converts_in_every_dtype(dtype):
+    model = _loud_llama().to(dtype)
+    ids, mask = make_inputs(model)
+    norms = []
+    hook = model.model.norm.register_forward_pre_hook(lambda m, args: norms.append(args[0].float().norm(dim=-1)))
+    reference = record_reference(model, ids, mask, new_tokens=NEW_TOKENS)
+    hook.remove()
+    assert norms[0].max() > 1e3, "the stream should be as loud as a real model's"
+    convert(model)
+    report = self_check(model, reference)
+    assert report.dtype == _name(dtype)
+    assert report.beta_zero_bitwise and report.greedy_identical
+    assert report.max_abs_dlogits <= report.tolerance, report
+    assert report.passed
+
+
+def test_loud_bf16_stream_fails_the_old_fixed_rtol_but_passes_the_rounding_bound():
+    """The site-map check used to allow max |error| <= 1e-3 (max |expected| + 1). bf16 rounds each
+    addition by up to 2^-9 relative, so it refused correct maps of real bf16 models ("layer 0 mlp
+    stream is off by 0.00781"); the element-wise bound of a few roundings accepts them, while
+    test_wrong_site_map_fails_check shows that it still refuses every wrong map on this stream."""
+    model, ids, mask = _llama_with_spec(lambda spec: None, torch.bfloat16, loud=True)
+    layer, seen = model.model.layers[0], {}
+
+    def keep(key, pick):  # a hook that returns None, so it changes nothing
+        return lambda module, *tensors: seen.__setitem__(key, pick(*tensors).float())
+
+    hooks = [
+        layer.input_layernorm.register_forward_pre_hook(keep("x", lambda args: args[0])),
+        layer.self_attn.register_forward_hook(keep("h", lambda args, out: out[0])),
+        layer.post_attention_layernorm.register_forward_pre_hook(keep("next", lambda args: args[0])),
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen["next"].norm(dim=-1).max() > 1e3
+    expected = seen["x"] + seen["h"]
+    err = (seen["next"] - expected).abs().max().item()
+    assert err > 1e-3 * (expected.abs().max().item() + 1), "the old check would have passed: not a loud stream"
+    check_site_map(model, ids, mask)
+
+
+@pytest.mark.parametrize(
+    "requested, key, expected",
+    [
+        ("auto", "dtype", torch.bfloat16),
+        ("auto", "torch_dtype", torch.bfloat16),  # how most configs on the Hub still say it
+        ("float16", "dtype", torch.float16),
+        ("float32", "dtype", torch.float32),
+    ],
+)
+def test_bf16_checkpoint_converts_in_the_dtype_asked_for(tmp_path, requested, key, expected):
+    """--dtype auto keeps a bf16 checkpoint bf16 (its config records the dtype); an explicit one wins."""
+    from deltafy.pipeline import convert_source
+
+    src, out = tmp_path / "bf16-llama", tmp_path / "delta"
+    tiny_model("llama-untied").to(torch.bfloat16).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    config[key] = config.pop("dtype")
+    (src / "config.json").write_text(json.dumps(config))
+    result = convert_source(str(src), out, dtype=requested)
+    assert result.check.passed and result.check.dtype == _name(expected)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    heads = [name for name in dtypes if ".delta." in name]
+    assert len(heads) == 2 * 2 * 4  # 2 layers x 2 sites x gate and target, weight and bias
+    assert set(dtypes.values()) == {{torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[expected]}
+    model = deltafy.load(out)
+    assert {p.dtype for p in model.parameters()} == {expected}
+    ids, mask = make_inputs(model)
+    # the stock model as transformers loads it in that dtype (rotary buffers stay fp32, unlike .to())
+    stock = AutoModelForCausalLM.from_pretrained(src, dtype=expected).eval()
+    with torch.no_grad():
+        original = stock(input_ids=ids, attention_mask=mask).logits
+        with deltafy.disabled(model):
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, original)
+        delta = (model(input_ids=ids, attention_mask=mask).logits.float() - original.float()).abs().max().item()
+    assert delta <= result.check.tolerance
 
 
 # -- a wrong site map fails loudly -------------------------------------------------------------
 
 
-def _llama_with_spec(edit):
-    model = tiny_model("llama-untied")
+def _llama_with_spec(edit, dtype=torch.float32, loud=False):
+    model = (_loud_llama() if loud else tiny_model("llama-untied")).to(dtype)
     spec = build_spec(model.config, load_recipe())
     edit(spec)
     apply_deltafy(model, spec)
@@ -177,8 +323,10 @@ def _llama_with_spec(edit):
     return model, ids, mask
 
 
-def test_correct_site_map_passes_check():
-    model, ids, mask = _llama_with_spec(lambda spec: None)
+@pytest.mark.parametrize("loud", [False, True], ids=["tiny-stream", "loud-stream"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_correct_site_map_passes_check(dtype, loud):
+    model, ids, mask = _llama_with_spec(lambda spec: None, dtype, loud)
     check_site_map(model, ids, mask)
 
 
@@ -208,8 +356,12 @@ def _set_site(index, **changes):
         "parallel-on-sequential",
     ],
 )
-def test_wrong_site_map_fails_check(edit, fragment):
-    model, ids, mask = _llama_with_spec(edit)
+@pytest.mark.parametrize("loud", [False, True], ids=["tiny-stream", "loud-stream"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_wrong_site_map_fails_check(edit, fragment, dtype, loud):
+    """In every dtype, and on a stream as loud as a real model's, where bf16 rounds each addition
+    by up to 4 (half an ulp at 1e3): the tolerance is rounding, never room for a wrong module."""
+    model, ids, mask = _llama_with_spec(edit, dtype, loud)
     with pytest.raises(DeltafyError) as excinfo:
         check_site_map(model, ids, mask)
     message = str(excinfo.value)
@@ -231,14 +383,16 @@ def test_parallel_map_on_parallel_model_passes_but_sequential_flag_fails():
     [_set_site(0, stream="post_attention_layernorm"), _set_site(1, write="mlp.gate_proj")],
     ids=["attn-stream-after-its-write", "mlp-write-wrong-width"],
 )
-def test_wrong_site_map_that_breaks_the_forward_fails_check(edit):
-    model, ids, mask = _llama_with_spec(edit)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_wrong_site_map_that_breaks_the_forward_fails_check(edit, dtype):
+    model, ids, mask = _llama_with_spec(edit, dtype)
     with pytest.raises(DeltafyError, match="does not fit"):
         check_site_map(model, ids, mask)
 
 
-def test_wrong_site_map_fails_self_check():
-    model = tiny_model("llama-untied")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_wrong_site_map_fails_self_check(dtype):
+    model = tiny_model("llama-untied").to(dtype)
     reference = record_reference(model, *make_inputs(model), new_tokens=4)
     spec = build_spec(model.config, load_recipe())
     spec["sites"][1]["write"] = "post_attention_layernorm"
@@ -246,7 +400,7 @@ def test_wrong_site_map_fails_self_check():
     model.config.deltafy = spec
     with pytest.raises(DeltafyError, match="does not fit"):
         self_check(model, reference)
-    assert all(site.force_beta is None for _, site in delta_sites(model)), "self_check leaked its forced beta"
+    assert all(call.enabled for call in model._deltafy_calls), "self_check left the corrections disabled"
 
 
 def test_site_module_that_never_runs_fails_check():
@@ -390,11 +544,9 @@ def test_granite_correction_math(direction):
     x, c, h = (torch.randn(4, 6, d, generator=gen) for _ in range(3))
     with torch.no_grad():
         site.target.bias.fill_(0.8)
-    site.force_beta = 1.0
-    with torch.no_grad():
-        new = site.correct(x, c, h)
-        cn = c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-6)
-        kr = m * h if direction == "sublayer" else site.direction(cn)
+    with torch.no_grad(), gates_at(site, 1.0):
+        new = site(x, c, h)
+        kr = m * h if direction == "sublayer" else site.direction(c / c.norm(dim=-1, keepdim=True))
     k = kr / kr.norm(dim=-1, keepdim=True)
     v = 0.8 * torch.sqrt((x * x).mean(-1, keepdim=True))
     expected = x + m * h + 1.0 * (v - (k * x).sum(-1, keepdim=True)) * k
@@ -421,7 +573,7 @@ def test_granite_layer_applies_correction_with_residual_multiplier(converted):
     try:
         with torch.no_grad():
             site.target.bias.fill_(0.5)
-        with forced_beta(model, 1.0):
+        with gates_at(model, 1.0):
             _logits(model, reference)
     finally:
         with torch.no_grad():

@@ -70,6 +70,8 @@ def test_smollm2_converts_and_passes_the_self_check(smollm):
     _, out, result = smollm
     check = result.check
     assert check is not None
+    print(f"SmolLM2-135M fp32 self-check: max |Δlogits| {check.max_abs_dlogits:.3g} (tolerance {check.tolerance:g})")
+    assert check.dtype == "float32" and check.tolerance == 1e-3
     assert check.max_abs_dlogits <= 1e-3
     assert check.beta_zero_bitwise
     assert check.greedy_identical and check.greedy_tokens >= 32
@@ -110,6 +112,39 @@ def test_smollm2_checkpoint_reloads_without_deltafy(smollm):
             input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
         )
     assert torch.equal(got["generated"], stock_generated)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_smollm2_converts_in_low_precision(tmp_path, dtype):
+    """A real model converts in bf16/fp16 as it is: the site map proven and the self-check passed in
+    that precision, then the written folder compared once more with the stock model in that dtype."""
+    from deltafy.pipeline import convert_source
+
+    out = tmp_path / f"smol-{dtype}"
+    check = convert_source("smollm2-135m", out, dtype=dtype).check
+    print(
+        f"SmolLM2-135M {dtype} self-check: max |Δlogits| {check.max_abs_dlogits:.3g} "
+        f"(tolerance {check.tolerance:.3g}), β=0 bitwise {check.beta_zero_bitwise}, greedy {check.greedy_identical}"
+    )
+    assert check.dtype == dtype and check.passed
+    assert check.beta_zero_bitwise and check.greedy_identical and check.greedy_tokens >= 32
+    assert check.max_abs_dlogits <= check.tolerance
+
+    torch_dtype = getattr(torch, dtype)
+    stock = load_source("smollm2-135m", dtype).model
+    model = deltafy.load(out)
+    assert {p.dtype for p in stock.parameters()} == {p.dtype for p in model.parameters()} == {torch_dtype}
+    ids = deltafy.load_tokenizer(out)(TEXT, return_tensors="pt")["input_ids"]
+    generate = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        original = stock(input_ids=ids).logits
+        with deltafy.disabled(model):
+            assert torch.equal(model(input_ids=ids).logits, original), "β=0 must be bitwise the stock model"
+        delta = (model(input_ids=ids).logits.float() - original.float()).abs().max().item()
+        same = torch.equal(model.generate(input_ids=ids, **generate), stock.generate(input_ids=ids, **generate))
+    print(f"SmolLM2-135M {dtype} reloaded vs stock: max |Δlogits| {delta:.3g} on {ids.shape[1]} tokens")
+    assert delta <= check.tolerance
+    assert same, "greedy generation changed"
 
 
 def test_random_full_size_gpt2_passes_the_self_check():

@@ -42,7 +42,13 @@ def convert_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.")
     ] = False,
-    tolerance: Annotated[float, typer.Option(help="Largest |Δlogits| the self-check accepts at init.")] = 1e-3,
+    tolerance: Annotated[
+        float,
+        typer.Option(
+            help="Largest |Δlogits| the self-check accepts at init, in fp32; in bf16/fp16 at least "
+            "4·eps·max|logits| (the logits' own rounding)."
+        ),
+    ] = 1e-3,
     device: Annotated[str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.")] = None,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
@@ -76,7 +82,7 @@ def convert_command(
     if result.check is not None:
         c = result.check
         console.print(
-            f"[green]self-check passed[/]: max |Δlogits| {c.max_abs_dlogits:.2e} (≤ {c.tolerance:g}), "
+            f"[green]self-check passed[/]: max |Δlogits| {c.max_abs_dlogits:.2e} (≤ {c.tolerance:.3g}, {c.dtype}), "
             f"β=0 bitwise identical, {c.greedy_tokens}-token greedy generation identical"
         )
     else:
