@@ -59,13 +59,13 @@ def _read_text(path: Path) -> str:
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise DeltafyError(f"could not read {path}: {err.strerror or err}") from None
+        raise DeltafyError(f"could not read {path}: {err.strerror or err}") from err
     if b"\x00" in raw[:8192]:
         raise DeltafyError(f"{path} looks binary; pass UTF-8 text (.txt, .md) or JSONL")
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DeltafyError(f"{path} is not UTF-8 text; convert it to UTF-8 first") from None
+    except UnicodeDecodeError as err:
+        raise DeltafyError(f"{path} is not UTF-8 text; convert it to UTF-8 first") from err
 
 
 def documents(source: str, text_field: str = "text") -> Iterator[str]:
@@ -79,8 +79,8 @@ def documents(source: str, text_field: str = "text") -> Iterator[str]:
                     continue
                 try:
                     record = json.loads(line)
-                except ValueError:
-                    raise DeltafyError(f"{path}:{n} is not valid JSON") from None
+                except ValueError as err:
+                    raise DeltafyError(f"{path}:{n} is not valid JSON") from err
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                     raise DeltafyError(f"{path}:{n} has no string field {text_field!r} (set --text-field)")
                 yield record[text_field]
@@ -93,15 +93,15 @@ def documents(source: str, text_field: str = "text") -> Iterator[str]:
 def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
     try:
         import datasets
-    except ImportError:
-        raise DeltafyError("reading datasets needs the datasets package: pip install datasets") from None
+    except ImportError as err:  # kept as the cause: datasets may be installed but fail to import
+        raise DeltafyError("reading datasets needs the datasets package: pip install datasets") from err
     try:
         if Path(source).is_dir():
             data = datasets.load_from_disk(source)
         else:
             data = datasets.load_dataset(source, split="train")
     except Exception as err:
-        raise DeltafyError(f"could not load dataset {source}: {str(err).splitlines()[0]}") from None
+        raise DeltafyError(f"could not load dataset {source}: {str(err).splitlines()[0]}") from err
     if isinstance(data, datasets.DatasetDict):
         data = data["train"] if "train" in data else next(iter(data.values()))
     if text_field not in data.column_names:

@@ -198,7 +198,7 @@ def run_training(
     started = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=True if resume else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C is the user's doing, not a failure: no cause to show (from None below)
         monitor.stop()
         if trainer.state.global_step > 0:
             trainer._save_checkpoint(trainer.model, trial=None)

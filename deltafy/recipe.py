@@ -6,6 +6,8 @@ them); any other value of ``--recipe`` is read as a path.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -22,13 +24,19 @@ from pydantic import (
 )
 
 from .errors import DeltafyError
+from .modeling_deltafy import DeltaSpec
 
 DEFAULT_RECIPE = "ddl-scalar"
+# The conversion's defaults live in one place, the spec the surgery reads.
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeltaSpec) if f.default is not dataclasses.MISSING}
 
 
 class TrainingDefaults(BaseModel):
     """Every ``deltafy train`` setting; the CLI's flags override a recipe's ``training`` section.
 
+    This model is the one place that defines them: ``deltafy train`` builds one flag per field
+    (``seq_len`` -> ``--seq-len``) with the field's type, default and description as its help, so
+    the descriptions are written for ``--help`` (no square brackets: they are rich markup there).
     The gate's own learning rate is what makes converted heads trainable (README, "Gates that open").
     """
 
@@ -41,27 +49,33 @@ class TrainingDefaults(BaseModel):
         "lr per step, and a gate initialized at a logit of -18 must travel ~10 logits to open",
     )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    steps: PositiveInt | None = Field(None, description="optimizer steps (default 200 unless tokens is set)")
+    steps: PositiveInt | None = Field(None, description="optimizer steps; 200 if neither steps nor tokens is set")
     tokens: PositiveInt | None = Field(None, description="token budget; sets the number of steps")
     seq_len: PositiveInt = Field(256, description="tokens per training block")
     batch_size: PositiveInt = Field(8, description="blocks per device per micro-step")
     grad_accum: PositiveInt = Field(1, description="micro-steps per optimizer step")
     lora_lr: PositiveFloat = Field(2e-4, description="learning rate of LoRA adapters and of train: all")
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
     train: Literal["heads", "heads+lora", "lora", "all"] = Field("heads", description="what trains")
-    lora_r: PositiveInt = 8
-    lora_alpha: PositiveFloat = 16.0
-    lora_targets: list[str] | None = Field(None, description="LoRA module names (default: peft's per family)")
-    merge_lora: bool = Field(True, description="merge adapters into the saved weights")
+    lora_r: PositiveInt = Field(8, description="LoRA rank")
+    lora_alpha: PositiveFloat = Field(16.0, description="LoRA alpha; adapter updates are scaled by alpha / r")
+    lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
+    merge_lora: bool = Field(
+        True, description="merge LoRA adapters into the saved weights, or keep them apart in OUT/lora-adapter/"
+    )
     held_out: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of blocks held out without eval data")
-    eval_every: PositiveInt = 50
-    save_every: PositiveInt = 100
-    max_eval_blocks: PositiveInt = 64
-    seed: int = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    gradient_checkpointing: bool = False
-    text_field: str = "text"
+    eval_every: PositiveInt = Field(50, description="optimizer steps between held-out evaluations")
+    save_every: PositiveInt = Field(100, description="optimizer steps between resumable checkpoints in OUT/training/")
+    max_eval_blocks: PositiveInt = Field(64, description="held-out blocks each evaluation reads, at most")
+    seed: int = Field(0, description="seed for LoRA init, the data order and the held-out split")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 on a GPU that supports it, else fp32"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, more time"
+    )
+    text_field: str = Field("text", description="JSONL or dataset field holding the text")
 
 
 class Recipe(BaseModel):
@@ -72,23 +86,23 @@ class Recipe(BaseModel):
     name: str = Field(description="short identifier, recorded in the checkpoint")
     description: str = Field("", description="one line shown by `deltafy recipes`")
     direction: Literal["sublayer", "learned"] = Field(
-        "sublayer",
+        _SPEC_DEFAULTS["direction"],
         description="k = the sublayer's own write normalized (paper) or a learned head on the context",
     )
     rank: PositiveInt | None = Field(
-        None, description="rank of the learned direction head (None: full d x d); learned only"
+        _SPEC_DEFAULTS["rank"], description="rank of the learned direction head (None: full d x d); learned only"
     )
     sites: list[Literal["attn", "mlp"]] = Field(
         default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"
     )
     gate_bias: float = Field(
-        -18.0,
+        _SPEC_DEFAULTS["gate_bias"],
         le=-4.0,
         ge=-60.0,
         description="initial gate logit; beta = 2*sigmoid(-18) = 3e-8 keeps the model unchanged "
         "even where residual norms reach 2e4 (SmolLM2)",
     )
-    eps: PositiveFloat = Field(1e-6, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
+    eps: PositiveFloat = Field(_SPEC_DEFAULTS["eps"], description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
     training: TrainingDefaults = Field(default_factory=TrainingDefaults)
 
     @model_validator(mode="after")
@@ -114,13 +128,17 @@ def bundled_recipes() -> dict[str, Path]:
     return {p.stem: p for p in sorted(_bundled_dir().glob("*.yaml"))}
 
 
-def _format_validation(err: ValidationError) -> str:
+def format_validation(err: ValidationError, name: Callable[[tuple], str] | None = None) -> str:
+    """Every problem in ``err`` on one line (``where: what; ...``), so that one run shows them all.
+
+    ``name`` says where a problem is as the user wrote it (a flag, say); by default it is the
+    dotted path of the key, ``recipe`` for the recipe as a whole.
+    """
     parts = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "recipe"
-        msg = e["msg"].replace("Value error, ", "")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+        loc = tuple(e["loc"])
+        where = name(loc) if name else ".".join(map(str, loc)) or "recipe"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)
 
@@ -131,7 +149,7 @@ def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise DeltafyError(f"invalid {origin}: {_format_validation(err)}") from None
+        raise DeltafyError(f"invalid {origin}: {format_validation(err)}") from err
 
 
 def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
@@ -146,5 +164,5 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise DeltafyError(f"could not read recipe {path}: {str(err).splitlines()[0]}") from None
+        raise DeltafyError(f"could not read recipe {path}: {str(err).splitlines()[0]}") from err
     return recipe_from_dict(data, origin=f"recipe {path}")

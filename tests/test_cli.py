@@ -12,6 +12,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,8 +48,8 @@ def assert_one_line_error(proc, *needles: str) -> str:
     assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
     line = lines[0]
     assert line.startswith("error: "), line
-    # An explained error, not the catch-all for exceptions deltafy has not learned to explain.
-    assert "rerun with --debug" not in line, line
+    # An explained error, not the catch-all that reports a bug in deltafy.
+    assert "internal error" not in proc.stderr, line
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
     return line
@@ -98,8 +99,6 @@ def test_convert_local_folder(converted):
         "config.json",
         "model.safetensors",
         "modeling_deltafy.py",
-        "modeling_deltafy_inference.py",
-        "modeling_deltafy_native.py",
         "README.md",
         "recipe.yaml",
         "generation_config.json",
@@ -107,6 +106,7 @@ def test_convert_local_folder(converted):
         "tokenizer_config.json",
     ):
         assert (out / name).is_file(), name
+    assert sorted(p.name for p in out.glob("*.py")) == ["modeling_deltafy.py"]  # the one file of code
     assert partial_leftovers(root) == []
     assert sorted(p.name for p in root.iterdir()) == ["out"]
     loaded = deltafy.load(out)
@@ -313,7 +313,7 @@ def test_usage_errors_exit_2_with_usage_hint(tmp_path, src, args, needle):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr and "Usage: deltafy" in proc.stderr
-    assert "rerun with --debug" not in proc.stderr  # click's own usage errors, not an unexplained crash
+    assert "internal error" not in proc.stderr  # click's own usage errors, not a crash
     assert list(tmp_path.iterdir()) == []
 
 
@@ -322,6 +322,110 @@ def test_debug_shows_traceback(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr
     assert "DeltafyError" in proc.stderr and "source not found" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_error_a_message_was_raised_from(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")  # yaml.safe_load raises; load_recipe turns it into a DeltafyError
+    args = ["train", tmp_path / "no-model", "--data", "x.txt", "--out", tmp_path / "out", "--recipe", bad]
+    line = assert_one_line_error(cli(*args, cwd=tmp_path), f"could not read recipe {bad}")
+    proc = cli("--debug", *args, cwd=tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "Traceback" in err and "The above exception was the direct cause of the following exception" in err, err
+    cause, message = err.index("yaml.parser.ParserError"), err.index("deltafy.errors.DeltafyError: could not read")
+    assert cause < message, err  # the YAML error first, then the one-line message raised from it
+    assert line.removeprefix("error: ") in err  # the same message, with or without --debug
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
+    import deltafy.cli.recipes as recipes_cli
+    from deltafy.cli import main
+
+    def broken():  # a bug injected into deltafy itself: no DeltafyError explains it
+        raise RuntimeError("injected bug in [attn, mlp]\nsecond line")
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(recipes_cli, "bundled_recipes", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipes"])
+    assert exit_info.value.code == 1
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    line = lines[0]
+    assert line.startswith("internal error (a bug in deltafy): RuntimeError: injected bug in [attn, mlp];"), line
+    assert "please report it" in line and "issue tracker" in line and "--debug" in line, line
+    assert not line.startswith("error:")  # not passed off as the user's mistake
+    with pytest.raises(RuntimeError, match="injected bug"):  # --debug: the exception itself, traceback and all
+        main(["--debug", "recipes"])
+
+
+# -- train's flags: generated from TrainingDefaults -----------------------------------------------------
+def test_train_help_lists_every_training_option(tmp_path):
+    from deltafy.recipe import TrainingDefaults
+
+    proc = cli("train", "--help", cwd=tmp_path, env={"COLUMNS": "400"})  # wide: one line per option
+    assert proc.returncode == 0, proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        words = line.strip("│ ").split()
+        if words and words[0].startswith("--"):
+            rows[words[0]] = " ".join(words)
+    for name, field in TrainingDefaults.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in rows, f"{flag} missing from train --help"
+        assert field.description and field.description in rows[flag], rows[flag]
+        assert "or the recipe's" in rows[flag], rows[flag]  # the effective default may be the recipe's
+    assert "--keep-adapter" in rows["--merge-lora"]  # today's spelling of merge_lora: false
+    assert "heads | heads+lora | lora | all" in rows["--train"]  # a Literal's choices
+    assert "default: 256, or the recipe's" in rows["--seq-len"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_flags_reach_the_options(monkeypatch, tmp_path):
+    import deltafy.engine
+    from deltafy.cli import main
+    from deltafy.recipe import load_recipe
+
+    seen = {}
+
+    def fake_run_training(model_dir, data, out, options, **kwargs):
+        seen.update(data=data, options=options)
+        return SimpleNamespace(loss_after=float("nan"))  # NaN: "not the evaluating process", prints nothing
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(deltafy.engine, "run_training", fake_run_training)
+    main(
+        ["train", "m", "--data", "a.txt", "b.txt", "--out", str(tmp_path / "o"), "--recipe", "ddl-scalar",
+         "--steps", "3", "--seq-len", "32", "--lr", "0.01", "--schedule", "linear", "--train", "heads+lora",
+         "--lora-targets", "q_proj, v_proj", "--keep-adapter", "--gradient-checkpointing", "--max-eval-blocks", "5"]
+    )  # fmt: skip
+    expected = load_recipe("ddl-scalar").training.model_copy(
+        update=dict(
+            steps=3,
+            seq_len=32,
+            lr=0.01,
+            schedule="linear",
+            train="heads+lora",
+            lora_targets=["q_proj", "v_proj"],
+            merge_lora=False,
+            gradient_checkpointing=True,
+            max_eval_blocks=5,
+        )
+    )
+    assert seen == {"data": ["a.txt", "b.txt"], "options": expected}
+
+
+def test_bad_train_flags_are_reported_at_once(tmp_path):
+    args = ["train", tmp_path / "no-model", "--data", "x.txt", "--out", tmp_path / "out", "--recipe", "ddl-scalar"]
+    proc = cli(*args, "--lr", "-1", "--warmup", "2", "--seq-len", "0", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "invalid training options", "--lr:", "--warmup:", "--seq-len:")
+    proc = cli(*args, "--train", "everything", cwd=tmp_path)  # a choice click checks: a usage error
+    assert proc.returncode == 2 and "Invalid value for '--train'" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -25,6 +25,7 @@ from _train_helpers import (
     step_records,
     subprocess_env,
 )
+from pydantic import ValidationError
 
 import deltafy
 from deltafy.engine import run_training
@@ -334,32 +335,54 @@ def test_options_merge_recipe_and_flags():
     options = options_from({"steps": 5, "lr": 0.01, "train": "all"}, steps=7, train=None)
     assert (options.steps, options.lr, options.train) == (7, 0.01, "all")
     assert options_from(None).steps is None
+    # Booleans are three-way too: False from a flag (--keep-adapter) beats the recipe, None keeps it.
+    recipe = {"merge_lora": True, "gradient_checkpointing": True}
+    options = options_from(recipe, merge_lora=False, gradient_checkpointing=None)
+    assert (options.merge_lora, options.gradient_checkpointing) == (False, True)
+    # Every field can come from flags, as the CLI passes them (one keyword per TrainingDefaults field).
+    every = {name: None for name in TrainOptions.model_fields}
+    assert options_from({"seq_len": 32}, **every) == TrainOptions(seq_len=32)
 
 
 @pytest.mark.parametrize(
     "recipe, flags, name",
     [
-        ({"steps": 0}, {}, "steps"),
-        (None, {"lr": -1.0}, "lr"),
-        (None, {"train": "everything"}, "train"),
-        ({"stepz": 3}, {}, "stepz"),
-        (None, {"held_out": 1.0}, "held_out"),
-        (None, {"warmup": 0.9}, "warmup"),
-        (None, {"schedule": "exponential"}, "schedule"),
-        ({"seq_len": "long"}, {}, "seq_len"),
+        ({"steps": 0}, {}, "training.steps"),
+        (None, {"lr": -1.0}, "--lr"),
+        (None, {"train": "everything"}, "--train"),
+        ({"stepz": 3}, {}, "training.stepz"),
+        (None, {"held_out": 1.0}, "--held-out"),
+        (None, {"warmup": 0.9}, "--warmup"),
+        (None, {"schedule": "exponential"}, "--schedule"),
+        ({"seq_len": "long"}, {}, "training.seq_len"),
+        ({"seq_len": 0}, {"seq_len": 16, "lora_targets": [1]}, "--lora-targets"),  # the flag's value counts
     ],
 )
 def test_bad_options_are_one_line_errors(recipe, flags, name):
+    # Named where the user can fix it: the flag they passed, or the key in the recipe's section.
     with pytest.raises(DeltafyError) as err:
         options_from(recipe, **flags)
     message = str(err.value)
-    assert message.startswith(f"invalid training option {name}:")
+    assert message.startswith(f"invalid training options: {name}")
+    assert message.count(": ") == 2 and "\n" not in message, message  # that one problem, on one line
+    assert isinstance(err.value.__cause__, ValidationError)  # --debug shows pydantic's full report
+
+
+def test_every_bad_option_is_reported_at_once():
+    with pytest.raises(DeltafyError) as err:
+        options_from({"stepz": 3, "batch_size": 0}, lr=-1.0, warmup=2.0, train="everything", steps=None)
+    message = str(err.value)
     assert "\n" not in message
+    for where in ("--lr:", "--warmup:", "--train:", "training.stepz: unknown key", "training.batch_size:"):
+        assert where in message, f"{where!r} not in {message!r}"
+    assert "steps" not in message.replace("stepz", "")  # an unset flag is no error
 
 
 def test_planned_steps():
     assert planned_steps(options_from(None, steps=9, tokens=10**6), 1) == 9
     assert planned_steps(options_from(None, tokens=1000, seq_len=10, batch_size=3, grad_accum=2), 2) == 9  # 1000/120
+    assert planned_steps(options_from({"tokens": 1000, "seq_len": 10}, batch_size=3, grad_accum=2), 2) == 9
+    assert planned_steps(options_from({"steps": 4}, steps=None), 1) == 4  # an unset flag keeps the recipe's
     assert planned_steps(options_from(None), 1) == 200
 
 

@@ -7,6 +7,7 @@ import sys
 
 import click
 import typer
+from rich.markup import escape
 
 from ..errors import DeltafyError
 from ._console import console, err_console, state
@@ -50,7 +51,13 @@ app.command("recipes")(recipes_command)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: errors become one line on stderr and a non-zero exit code."""
+    """Console entry point: errors become one line on stderr and a non-zero exit code.
+
+    Exit codes: 1 for an error (``error: ...`` for a DeltafyError, which says what to do, or
+    ``internal error ...`` for a bug in deltafy), 2 for a usage error (click's), 130 when
+    interrupted. With ``--debug`` errors propagate instead: Python prints the whole traceback,
+    including the exception a DeltafyError was raised from.
+    """
     args = sys.argv[1:] if argv is None else argv
     state.debug = "--debug" in args
     # deltafy shows its own progress; third-party tqdm bars would interleave with it.
@@ -63,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     except DeltafyError as err:
         if state.debug:
             raise
-        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except _EXITS as err:
         sys.exit(err.exit_code)
@@ -73,12 +81,17 @@ def main(argv: list[str] | None = None) -> None:
     except _ABORTS:
         err_console.print("[bold red]interrupted[/]; no partial output was left behind", highlight=False)
         sys.exit(130)
-    except Exception as err:  # a bug, or an error we have not learned to explain yet
+    except Exception as err:
+        # Every failure deltafy expects (bad input, missing files, offline Hub, unsupported model)
+        # is a DeltafyError above. Anything else is a bug in deltafy: say so rather than pass it off
+        # as the user's mistake, and ask for the report that lets us fix it.
         if state.debug:
             raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        lines = str(err).strip().splitlines()
+        what = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
         err_console.print(
-            f"[bold red]error:[/] {type(err).__name__}: {first} (rerun with --debug for details)",
+            f"[bold red]internal error[/] (a bug in deltafy): {escape(what)}; please report it on the deltafy "
+            f"issue tracker with the command you ran and the output of rerunning it with --debug",
             highlight=False,
             soft_wrap=True,
         )

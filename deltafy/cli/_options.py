@@ -1,11 +1,16 @@
-"""Option types shared by several commands."""
+"""Option types shared by several commands, and flags generated from a pydantic options model."""
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any, get_args, get_origin
 
 import typer
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 
 class DType(str, Enum):
@@ -21,3 +26,69 @@ RecipeOpt = Annotated[
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Precision to load and save the model in.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it already holds files.")]
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The type click parses a field's flag as: ``X | None`` is X, and pydantic already moved
+    constraints (PositiveInt's ``> 0``) out of the annotation; pydantic checks them afterwards,
+    all at once. Literals stay Literals: typer shows and checks their choices."""
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = (a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _comma_list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _field_option(name: str, field: FieldInfo, spelling: str | None, panel: str | None) -> inspect.Parameter:
+    """One keyword-only parameter, defaulting to None: an unset flag keeps the recipe's value."""
+    kind = _flag_type(field.annotation)
+    default = field.default
+    notes, extra = [], {}
+    if kind is bool:
+        spelling = spelling or f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}"
+        default = "on" if default else "off"
+    if get_origin(kind) is typing.Literal:  # choices in the help: typer's <a|b|c> type column crowds out the flags
+        notes.append(" | ".join(get_args(kind)))
+        extra["metavar"] = "CHOICE"
+    if get_origin(kind) is list:  # one comma-separated value, as people type module lists
+        kind, extra = str, {"parser": _comma_list, "metavar": "NAME,..."}
+    # The effective default is the recipe's (--recipe, else the checkpoint's), which may differ from the model's.
+    notes.append(f"default: {'unset' if default is None else default}, or the recipe's")
+    option = typer.Option(
+        spelling or "--" + name.replace("_", "-"),
+        help=f"{field.description} ({'; '.join(notes)})",
+        show_default=False,
+        rich_help_panel=panel,
+        **extra,
+    )
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
+    )
+
+
+def with_model_options(model: type[BaseModel], panel: str | None = None, spellings: dict[str, str] | None = None):
+    """Give a command one flag per field of ``model`` in place of its ``**flags`` parameter.
+
+    The model is the single source of each flag's name (``seq_len`` -> ``--seq-len``), type,
+    choices, help (the field's description) and shown default; booleans become
+    ``--flag/--no-flag`` unless ``spellings`` names them otherwise. Typer reads a command's
+    parameters from its signature, so the generated ones are put there. The command receives
+    every field in ``flags``, None where the flag was not given.
+    """
+
+    def decorate(func):
+        signature = inspect.signature(func, eval_str=True)
+        fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        clash = {p.name for p in fixed} & model.model_fields.keys()
+        assert not clash, f"command parameters shadow {model.__name__} fields: {clash}"
+        generated = [
+            _field_option(name, field, (spellings or {}).get(name), panel) for name, field in model.model_fields.items()
+        ]
+        func.__signature__ = signature.replace(parameters=fixed + generated)
+        return func
+
+    return decorate
