@@ -4,7 +4,7 @@
 
 Both runs use the same converted model, data and AdamW; "heads" trains only the DDL heads
 (gate group at the recipe's scale), "full" trains every parameter. Steps alternate between the
-two so machine noise hits both alike. Target: heads/full <= 0.75.
+two so machine noise hits both alike. Target: heads/full <= 0.70.
 """
 
 from __future__ import annotations
