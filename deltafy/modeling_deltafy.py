@@ -105,12 +105,12 @@ class DeltaSite(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        direction: str = "sublayer",
-        rank: int | None = None,
-        gate_bias: float = -18.0,
-        eps: float = 1e-6,
-        scale: float = 1.0,
-        context: str = "output",
+        direction: str = DeltaSpec.direction,  # (the defaults are the spec's: one place holds them)
+        rank: int | None = DeltaSpec.rank,
+        gate_bias: float = DeltaSpec.gate_bias,
+        eps: float = DeltaSpec.eps,
+        scale: float = SiteSpec.scale,
+        context: str = SiteSpec.context,
     ):
         super().__init__()
         if direction not in ("sublayer", "learned"):
