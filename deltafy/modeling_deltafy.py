@@ -125,7 +125,7 @@ class DeltaSite(nn.Module):
         self.gate = nn.Linear(hidden_size, 1)
         self.target = nn.Linear(hidden_size, 1)
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
-        self.where = ""  # "stream -> write", shown by print(model)
+        self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
             module._is_hf_initialized = True

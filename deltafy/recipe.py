@@ -6,7 +6,6 @@ them); any other value of ``--recipe`` is read as a path.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -27,8 +26,6 @@ from .errors import DeltafyError
 from .modeling_deltafy import DeltaSpec
 
 DEFAULT_RECIPE = "ddl-scalar"
-# The conversion's defaults live in one place, the spec the surgery reads.
-_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeltaSpec) if f.default is not dataclasses.MISSING}
 
 
 class TrainingDefaults(BaseModel):
@@ -79,30 +76,31 @@ class TrainingDefaults(BaseModel):
 
 
 class Recipe(BaseModel):
-    """How every residual write of a model becomes a Deep Delta Learning write."""
+    """How every residual write of a model becomes a Deep Delta Learning write (the conversion's
+    defaults are DeltaSpec's, the spec the surgery reads: one place holds them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="short identifier, recorded in the checkpoint")
     description: str = Field("", description="one line shown by `deltafy recipes`")
     direction: Literal["sublayer", "learned"] = Field(
-        _SPEC_DEFAULTS["direction"],
+        DeltaSpec.direction,
         description="k = the sublayer's own write normalized (paper) or a learned head on the context",
     )
     rank: PositiveInt | None = Field(
-        _SPEC_DEFAULTS["rank"], description="rank of the learned direction head (None: full d x d); learned only"
+        DeltaSpec.rank, description="rank of the learned direction head (None: full d x d); learned only"
     )
     sites: list[Literal["attn", "mlp"]] = Field(
         default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"
     )
     gate_bias: float = Field(
-        _SPEC_DEFAULTS["gate_bias"],
+        DeltaSpec.gate_bias,
         le=-4.0,
         ge=-60.0,
         description="initial gate logit; beta = 2*sigmoid(-18) = 3e-8 keeps the model unchanged "
         "even where residual norms reach 2e4 (SmolLM2)",
     )
-    eps: PositiveFloat = Field(_SPEC_DEFAULTS["eps"], description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
+    eps: PositiveFloat = Field(DeltaSpec.eps, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
     training: TrainingDefaults = Field(default_factory=TrainingDefaults)
 
     @model_validator(mode="after")
