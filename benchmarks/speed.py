@@ -12,8 +12,11 @@ Decode: batch 1 (--decode-batch), greedy with the KV cache, the two models in lo
 token at a time (alternating which goes first), so that the drift of a shared machine hits both
 alike; this times the model's decode step itself, without generate()'s bookkeeping, which would
 only dilute the difference. Both models are deep copies of one loaded model, so neither gets a
-luckier memory layout (with --via transformers the converted one is saved and loaded back with
-AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)). "ratio" is converted/original
+luckier memory layout. With --via transformers both are saved and loaded back with
+AutoModelForCausalLM.from_pretrained (the converted one with trust_remote_code=True): transformers
+maps a checkpoint's weights from the file, and matmuls over mapped weights run a few percent slower
+than over a deep copy's, so loading only one of them that way would time the memory, not the code.
+"ratio" is converted/original
 tokens/s over all rounds (or tokens), "median" the median of the per-round (per-token) ratios and
 "quartiles" their middle half, which shows how much a shared machine's noise moved them.
 Targets: prefill >= 0.95, decode >= 0.90.
@@ -46,18 +49,23 @@ def load(name: str, dtype: torch.dtype):
     raise SystemExit(f"unknown model {name!r}; use smollm2 or gpt2")
 
 
-def converted(loaded, recipe: str, via: str, workdir: str):
-    """The converted model, in memory or as plain transformers loads it from a saved checkpoint."""
-    model = deltafy.convert(copy.deepcopy(loaded), recipe)
-    if via == "memory":
-        return model.eval()
-    from transformers import AutoModelForCausalLM
+def pair(loaded, recipe: str, via: str, workdir: str) -> dict:
+    """The original and the converted model, both in memory or both as plain transformers loads them."""
+    models = {"original": copy.deepcopy(loaded), "converted": deltafy.convert(copy.deepcopy(loaded), recipe)}
+    if via == "transformers":
+        from transformers import AutoModelForCausalLM
 
-    deltafy.save(model, f"{workdir}/converted")
-    dtype = next(loaded.parameters()).dtype
-    reloaded = AutoModelForCausalLM.from_pretrained(f"{workdir}/converted", trust_remote_code=True, dtype=dtype)
-    assert type(reloaded).__module__.startswith("transformers_modules"), "not the checkpoint's own code"
-    return reloaded.eval()
+        dtype = next(loaded.parameters()).dtype
+        models["original"].save_pretrained(f"{workdir}/original")
+        deltafy.save(models["converted"], f"{workdir}/converted")
+        models = {
+            "original": AutoModelForCausalLM.from_pretrained(f"{workdir}/original", dtype=dtype),
+            "converted": AutoModelForCausalLM.from_pretrained(
+                f"{workdir}/converted", trust_remote_code=True, dtype=dtype
+            ),
+        }
+        assert type(models["converted"]).__module__.startswith("transformers_modules"), "not the checkpoint's code"
+    return {name: model.eval() for name, model in models.items()}
 
 
 def open_gates(model, seed: int = 0) -> None:
@@ -149,10 +157,7 @@ def main() -> None:
     for name in args.models.split(","):
         loaded = load(name, dtype)
         workdir = tempfile.TemporaryDirectory()
-        models = {
-            "original": copy.deepcopy(loaded).eval(),
-            "converted": converted(loaded, args.recipe, args.via, workdir.name),
-        }
+        models = pair(loaded, args.recipe, args.via, workdir.name)
         del loaded
         if args.open_gates:
             open_gates(models["converted"])

@@ -90,8 +90,8 @@ class DeltaDirection(nn.Module):
 
     def forward(self, c: torch.Tensor) -> torch.Tensor:
         if self.rank is None:
-            return F.linear(c, self.proj.weight.type_as(c))
-        return F.linear(F.linear(c, self.down.weight.type_as(c)), self.up.weight.type_as(c))
+            return F.linear(c, _like(self.proj.weight, c))
+        return F.linear(F.linear(c, _like(self.down.weight, c)), _like(self.up.weight, c))
 
 
 class DeltaSite(nn.Module):
@@ -144,19 +144,24 @@ class DeltaSite(nn.Module):
         return f"{self.where}, direction={kind}, scale={self.scale:g}"
 
     def heads(self, c: torch.Tensor):
-        """Gate logit g and target u per token, shaped (..., 1): beta = 2 sigmoid(g), and the target
-        v = u rms(x) is in units of the stream's rms, so one learning rate fits models of any scale.
-        Both read the unit-length context c/|c| (an Adam step of size lr then moves them by at most
-        lr*sqrt(d), whatever the model's norms); dividing by |c| after the matmul normalizes c for free.
-        Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider)."""
-        inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c).unsqueeze(-1) + 1e-6)
-        g = torch.addcmul(self.gate.bias.type_as(c), F.linear(c, self.gate.weight.type_as(c)), inv_norm_c)
-        u = torch.addcmul(self.target.bias.type_as(c), F.linear(c, self.target.weight.type_as(c)), inv_norm_c)
+        """Gate logit g and target u per token (shaped like c without its last dim): beta = 2 sigmoid(g),
+        and the target v = u rms(x) is in units of the stream's rms, so one learning rate fits models of
+        any scale. Both read the unit-length context c/|c| (an Adam step of size lr then moves them by at
+        most lr*sqrt(d), whatever the model's norms); dividing the dot products by |c| normalizes c for
+        free. Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider)."""
+        gate, target, dot = self.gate, self.target, torch.linalg.vecdot
+        inv_norm_c = torch.rsqrt(dot(c, c) + 1e-6)
+        g = torch.addcmul(_like(gate.bias, c), dot(c, _like(gate.weight, c)), inv_norm_c)
+        u = torch.addcmul(_like(target.bias, c), dot(c, _like(target.weight, c)), inv_norm_c)
         return g, u, inv_norm_c
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h' such that the layer's ``x + m h'`` is ``x + m h + beta (v - k^T x) k``, computed in fp32
-        (or in h's precision where that is wider) and cast back to h's dtype."""
+        (or in h's precision where that is wider) and cast back to h's dtype.
+
+        Per token this is a few dot products and scalars, written as vecdots and fused multiply-adds
+        (no matmuls, no dtype calls that do nothing): decoding one token costs about a dispatch per
+        op, so the number of ops is the cost."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.forward(x, c, h)
@@ -164,20 +169,27 @@ class DeltaSite(nn.Module):
         work = torch.promote_types(dtype, torch.float32)
         if not x.dtype == c.dtype == dtype == work:
             x, c, h = x.to(work), c.to(work), h.to(work)
+        dot = torch.linalg.vecdot
         g, u, inv_norm_c = self.heads(c)
         # k = kr / n with n = sqrt(|kr|^2 + eps^2): the sublayer's own write (kr = h, with the
         # layer's scale m on it folded into eps) or a learned head on the unit context.
         if self.direction is None:
             kr, eps = h, self.eps / self.scale
         else:
-            kr, eps = self.direction(c * inv_norm_c), self.eps
-        n = torch.sqrt(torch.linalg.vecdot(kr, kr).unsqueeze(-1) + eps * eps)
+            kr, eps = self.direction(c * inv_norm_c.unsqueeze(-1)), self.eps
+        inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
-        x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        miss = torch.addcmul(torch.linalg.vecdot(kr, x).unsqueeze(-1) / n, u, x_norm, value=-(self.hidden_size**-0.5))
+        x_norm = torch.linalg.vector_norm(x, dim=-1)
+        miss = torch.addcmul(dot(kr, x) * inv_n, u, x_norm, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
-        out = torch.addcmul(h, kr, torch.sigmoid(g) * miss / n, value=-2.0 / self.scale)
+        out = torch.addcmul(h, kr, (torch.sigmoid(g) * miss * inv_n).unsqueeze(-1), value=-2.0 / self.scale)
         return out if out.dtype == dtype else out.to(dtype)
+
+
+def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``param`` in x's precision (the heads of a bf16 model are bf16; the math runs in fp32).
+    A Python check, not ``type_as``: on the decode path every dispatched call costs microseconds."""
+    return param if param.dtype == x.dtype else param.to(x.dtype)
 
 
 # -- the surgery ---------------------------------------------------------------------------------
