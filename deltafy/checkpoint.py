@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,7 +24,9 @@ import yaml
 from . import modeling_deltafy
 from .errors import DeltafyError
 from .recipe import Recipe
-from .sources import _quiet_transformers, _restore_transformers
+from .sources import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+
+log = logging.getLogger(__name__)
 
 MODELING_FILE = "modeling_deltafy.py"
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
@@ -49,12 +53,55 @@ def modeling_source(base_config_class: type, base_model_class: type) -> str:
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Refuse early (before any heavy work) to write over something the user already has."""
+    clear_leftovers(out)
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"{out} exists and is not a folder; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
     if not out.parent.exists() and out.parent != out:
         out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _sibling(out: Path, kind: str, pid: int) -> Path:
+    return out.parent / f".{out.name}.deltafy-{kind}-{pid}"
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours, from before this save: nothing of this process is writing it now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
+
+
+def clear_leftovers(out: Path) -> None:
+    """Remove what a killed save left beside ``out`` (``_atomic_dir``'s temporary folders), so that
+    nothing model-sized stays hidden there; refuse while the process that made them still runs.
+
+    A save that was killed between its two renames left ``out`` missing and the previous ``out``
+    in its ``-old-`` folder: that one is put back, not removed.
+    """
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.deltafy-*-*")):
+        kind, _, pid = path.name.removeprefix(f".{out.name}.deltafy-").partition("-")
+        if kind not in ("partial", "old") or not pid.isdigit():
+            continue
+        if _running(int(pid)):
+            raise DeltafyError(
+                f"process {pid} is writing {out} (into {path.name}); wait for it to finish, or remove "
+                f"{path} if no deltafy run is going on"
+            )
+        if kind == "old" and not out.exists():
+            os.replace(path, out)
+            log.warning("restored %s from %s, left by an interrupted save (process %s)", out, path.name, pid)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left by an interrupted save (process %s)", path, pid)
 
 
 def _os_errno(err: BaseException) -> int | None:
@@ -71,7 +118,7 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
     """Yield a temporary sibling folder; on success it replaces ``out`` (or, with ``merge``, its
     files move into ``out``); on any failure it is removed."""
     check_output_dir(out, overwrite)
-    tmp = out.parent / f".{out.name}.deltafy-partial-{os.getpid()}"
+    tmp = _sibling(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # SIGTERM (e.g. a scheduler killing the job) unwinds like Ctrl-C, so the cleanup below runs.
@@ -87,7 +134,7 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
             return
         old = None
         if out.exists():
-            old = out.parent / f".{out.name}.deltafy-old-{os.getpid()}"
+            old = _sibling(out, "old", os.getpid())
             os.replace(out, old)
         os.replace(tmp, out)
         if old is not None:
@@ -233,8 +280,20 @@ def save(
         (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            _drop_tokenizer_auto_map(tmp)
         (tmp / "README.md").write_text(_model_card(config, spec, provenance, check))
     return out
+
+
+def _drop_tokenizer_auto_map(folder: Path) -> None:
+    """A tokenizer's ``auto_map`` points at code files of the folder it came from, which a checkpoint
+    does not carry: kept, it would make trust_remote_code loads of the checkpoint look for them."""
+    file = folder / "tokenizer_config.json"
+    if not file.is_file():
+        return
+    config = json.loads(file.read_text())
+    if config.pop("auto_map", None) is not None:
+        file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _base_model_class(model) -> type:
@@ -317,6 +376,6 @@ def load_tokenizer(path: str | Path):
     fields = {k: v for k, v in config.items() if k not in CONFIG_KEYS_DROPPED}
     base = AutoConfig.for_model(config["deltafy"]["base_model_type"], **fields)
     try:
-        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), config=base)
+        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), config=base, **NO_REMOTE_CODE)
     except Exception:
         return None

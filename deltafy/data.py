@@ -1,12 +1,14 @@
 """Training and evaluation text: files, folders, globs, JSONL and `datasets`, packed into blocks.
 
 Documents are tokenized with the model's tokenizer, joined with EOS between them and cut into
-fixed blocks of ``seq_len`` tokens. The token stream of each input is cached on disk, keyed by the
-files' paths, sizes and modification times and by the tokenizer, so a second run starts at once.
+fixed blocks of ``seq_len`` tokens. The token stream of each input is cached on disk (see
+:mod:`deltafy.cache`), keyed by a hash of the bytes it came from, the tokenizer and every option
+that changes the tokens, so a second run starts at once and an edited input is never read stale.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -16,34 +18,42 @@ from pathlib import Path
 
 import torch
 
+from .cache import file_digest, folder_digest, load_tokens, store_tokens
 from .errors import DeltafyError
-from .sources import cache_dir
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+
+# Part of every cache key: bump it when reading or joining documents changes, and old entries miss.
+CACHE_FORMAT = 2
 
 
 def expand(paths: list[str]) -> list[str]:
-    """Files behind ``paths`` (files, folders searched recursively, globs), plus dataset ids."""
+    """Files behind ``paths`` (files, folders searched recursively, globs), plus dataset ids.
+
+    A path that exists is a path even when its name holds ``[``, ``*`` or ``?`` (``notes [draft].txt``);
+    only one that does not exist is read as a glob.
+    """
     found: list[str] = []
     for raw in paths:
-        path = Path(raw).expanduser()
-        if any(ch in raw for ch in "*?["):
-            matches = sorted(glob.glob(str(path), recursive=True))
-            files = [m for m in matches if Path(m).is_file()]
-            if not files:
-                raise DeltafyError(f"no files match {raw}")
-            found += files
-        elif path.is_dir():
-            if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-                found.append(str(path))  # a `datasets` folder saved with save_to_disk
+        typed = os.path.expanduser(raw)
+        path = Path(typed)
+        if path.is_dir():
+            if any((path / marker).is_file() for marker in DATASETS_MARKERS):
+                found.append(typed)  # a `datasets` folder saved with save_to_disk
                 continue
             files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
             if not files:
                 raise DeltafyError(f"{raw} holds no .txt, .md or .jsonl files")
             found += files
         elif path.is_file():
-            found.append(str(path))
+            found.append(typed)
+        elif any(ch in raw for ch in "*?["):
+            files = _glob(typed)
+            if not files:
+                raise DeltafyError(f"no files match {raw} (and no file or folder has that name)")
+            found += files
         elif (
             raw.startswith((".", "/", "~"))
             or Path(raw).suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES + (".json",)
@@ -55,46 +65,70 @@ def expand(paths: list[str]) -> list[str]:
     return found
 
 
-def _read_text(path: Path) -> str:
+def _glob(pattern: str) -> list[str]:
+    # The longest leading folder that exists is taken literally: `runs [v2]/*.txt` globs in `runs [v2]`.
+    parts = Path(pattern).parts
+    literal = next((i for i in range(len(parts) - 1, 0, -1) if Path(*parts[:i]).is_dir()), 0)
+    head = [glob.escape(str(Path(*parts[:literal])))] if literal else []
+    matches = glob.glob(os.path.join(*head, *parts[literal:]), recursive=True)
+    return sorted(m for m in matches if Path(m).is_file())
+
+
+# Messages name each input as the user typed it (``source``), not as a normalized Path.
+def _read_bytes(source: str) -> bytes:
     try:
-        raw = path.read_bytes()
+        return Path(source).read_bytes()
     except OSError as err:
-        raise DeltafyError(f"could not read {path}: {err.strerror or err}") from err
+        raise DeltafyError(f"could not read {source}: {err.strerror or err}") from err
+
+
+def _decode(source: str, raw: bytes) -> str:
     if b"\x00" in raw[:8192]:
-        raise DeltafyError(f"{path} looks binary; pass UTF-8 text (.txt, .md) or JSONL")
+        raise DeltafyError(f"{source} looks binary; pass UTF-8 text (.txt, .md) or JSONL")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as err:
-        raise DeltafyError(f"{path} is not UTF-8 text; convert it to UTF-8 first") from err
+        raise DeltafyError(f"{source} is not UTF-8 text (byte {err.start}); convert it to UTF-8 first") from err
+
+
+def _file_documents(source: str, raw: bytes, text_field: str) -> Iterator[str]:
+    text = _decode(source, raw)
+    if Path(source).suffix.lower() not in JSONL_SUFFIXES:
+        yield text
+        return
+    # Lines end at "\n" only: str.splitlines() would also split at U+2028 and friends, which JSON
+    # strings may hold unescaped.
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DeltafyError(f"{source}:{n} is not valid JSON ({err.msg} at column {err.colno})") from err
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise DeltafyError(f"{source}:{n} has no string field {text_field!r} (set --text-field)")
+        yield record[text_field]
 
 
 def documents(source: str, text_field: str = "text") -> Iterator[str]:
     """The documents of one input: a text file is one document, a JSONL line is one document."""
-    path = Path(source)
-    if path.is_file():
-        text = _read_text(path)
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise DeltafyError(f"{path}:{n} is not valid JSON") from err
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise DeltafyError(f"{path}:{n} has no string field {text_field!r} (set --text-field)")
-                yield record[text_field]
-        else:
-            yield text
+    if Path(source).is_file():
+        yield from _file_documents(source, _read_bytes(source), text_field)
         return
     yield from _dataset_documents(source, text_field)
 
 
-def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
+def _datasets():
     try:
         import datasets
     except ImportError as err:  # kept as the cause: datasets may be installed but fail to import
         raise DeltafyError("reading datasets needs the datasets package: pip install datasets") from err
+    return datasets
+
+
+def _load_dataset(source: str):
+    """A `datasets` folder, or the train split of a Hub dataset."""
+    datasets = _datasets()
     try:
         if Path(source).is_dir():
             data = datasets.load_from_disk(source)
@@ -104,6 +138,16 @@ def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
         raise DeltafyError(f"could not load dataset {source}: {str(err).splitlines()[0]}") from err
     if isinstance(data, datasets.DatasetDict):
         data = data["train"] if "train" in data else next(iter(data.values()))
+    return data
+
+
+# A Hub dataset is loaded once per process, so its cache key (the revision it resolved to) and its
+# documents come from the same load. A folder is keyed by its bytes and may change between calls.
+_load_hub_dataset = functools.lru_cache(maxsize=4)(_load_dataset)
+
+
+def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
+    data = _load_dataset(source) if Path(source).is_dir() else _load_hub_dataset(source)
     if text_field not in data.column_names:
         raise DeltafyError(f"dataset {source} has no column {text_field!r}; columns: {', '.join(data.column_names)}")
     for text in data[text_field]:
@@ -112,46 +156,101 @@ def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    digest = hashlib.sha256(json.dumps(vocab).encode())
-    digest.update(str((type(tokenizer).__name__, tokenizer.eos_token_id)).encode())
+    """A hash of everything about ``tokenizer`` that changes the ids of a text."""
+    flags = (type(tokenizer).__name__, tokenizer.eos_token_id, getattr(tokenizer, "split_special_tokens", None))
+    digest = hashlib.sha256(repr(flags).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # The whole pipeline: vocab, merges, added tokens, normalizer, pre-tokenizer. Truncation and
+        # padding are set per call and never apply to deltafy's calls.
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        digest.update(json.dumps(state, sort_keys=True).encode())
+    else:  # a pure-Python tokenizer: what its ids are made of
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        if (sp_model := getattr(tokenizer, "sp_model", None)) is not None:
+            digest.update(sp_model.serialized_model_proto())
+        if (ranks := getattr(tokenizer, "bpe_ranks", None)) is not None:
+            digest.update(json.dumps(sorted((list(k), v) for k, v in ranks.items())).encode())
+        digest.update(repr(getattr(tokenizer, "do_lower_case", None)).encode())
     return digest.hexdigest()[:16]
 
 
-def _input_key(source: str, text_field: str, tokenizer_fp: str) -> str:
+def _identity(source: str, text_field: str) -> dict:
+    """What one input's tokens depend on besides the tokenizer, by content, never by path or time."""
     path = Path(source)
     if path.is_file():
-        stat = path.stat()
-        ident = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    else:
-        ident = (source,)
-    return hashlib.sha256(json.dumps([ident, text_field, tokenizer_fp]).encode()).hexdigest()[:24]
+        jsonl = path.suffix.lower() in JSONL_SUFFIXES
+        ident = {"kind": "jsonl" if jsonl else "text", "sha256": file_digest(path), "bytes": path.stat().st_size}
+        return ident | ({"text_field": text_field} if jsonl else {})
+    if path.is_dir():
+        digest, size = folder_digest(path)
+        return {"kind": "datasets", "sha256": digest, "bytes": size, "text_field": text_field}
+    return _hub_identity(source, _load_hub_dataset(source), text_field)
+
+
+def _hub_identity(source: str, data, text_field: str) -> dict:
+    # `datasets` derives a loaded dataset's fingerprint from the files it resolved on the Hub (the
+    # commit they were read at), so a new revision of the dataset is a new key.
+    return {"kind": "hub", "id": source, "split": "train", "fingerprint": data._fingerprint, "text_field": text_field}
+
+
+def _input_key(source: str, text_field: str, tokenizer_fp: str) -> str:
+    return _key(_identity(source, text_field), tokenizer_fp)
+
+
+def _key(identity: dict, tokenizer_fp: str) -> str:
+    return hashlib.sha256(json.dumps([CACHE_FORMAT, identity, tokenizer_fp], sort_keys=True).encode()).hexdigest()[:24]
+
+
+def fingerprint(sources: list[str], tokenizer, text_field: str = "text") -> str:
+    """One hash of everything ``token_stream(sources, tokenizer, text_field)`` reads: each input's
+    content and the tokenizer's identity (a training run records it to check what it resumes).
+    Hashes bytes only; nothing is tokenized."""
+    fp = _tokenizer_fingerprint(tokenizer)
+    keys = [_input_key(source, text_field, fp) for source in expand(sources)]
+    return hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:24]
+
+
+def _tokenizer_name(tokenizer) -> str:
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return str(Path(name).resolve()) if Path(name).is_dir() else name  # `../model` names no folder in a listing
+
+
+def _tokenize(docs: Iterator[str], tokenizer) -> list[int]:
+    ids: list[int] = []
+    for doc in docs:
+        if doc.strip():
+            ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids
 
 
 def token_stream(sources: list[str], tokenizer, text_field: str = "text", use_cache: bool = True) -> torch.Tensor:
     """All documents of ``sources`` as one int32 stream of token ids, EOS after every document."""
     if tokenizer.eos_token_id is None:
         raise DeltafyError("the tokenizer has no EOS token to separate documents")
-    fp = _tokenizer_fingerprint(tokenizer)
-    root = cache_dir() / "tokens"
+    fp = _tokenizer_fingerprint(tokenizer) if use_cache else ""
     parts = []
     for source in expand(sources):
-        cached = root / f"{_input_key(source, text_field, fp)}.pt"
-        if use_cache and cached.is_file():
-            parts.append(torch.load(cached))
-            continue
-        ids: list[int] = []
-        for doc in documents(source, text_field):
-            if doc.strip():
-                ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if not ids:
-            raise DeltafyError(f"{source} holds no text")
-        stream = torch.tensor(ids, dtype=torch.int32)
-        if use_cache:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp-{os.getpid()}")
-            torch.save(stream, tmp)
-            os.replace(tmp, cached)
+        path = Path(source)
+        identity = _identity(source, text_field) if use_cache else None
+        stream = load_tokens(_key(identity, fp)) if use_cache else None
+        if stream is None:
+            if path.is_file():
+                raw = _read_bytes(source)
+                if use_cache:  # key the entry by the bytes tokenized, even if the file changed since it was hashed
+                    identity |= {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+                ids = _tokenize(_file_documents(source, raw, text_field), tokenizer)
+            else:
+                ids = _tokenize(_dataset_documents(source, text_field), tokenizer)
+            if not ids:
+                raise DeltafyError(f"{source} holds no text")
+            stream = torch.tensor(ids, dtype=torch.int32)
+            if use_cache:
+                where = source if identity["kind"] == "hub" else str(path.resolve())
+                about = {"source": where, "tokenizer": _tokenizer_name(tokenizer)}
+                store_tokens(_key(identity, fp), stream, about | identity | {"tokenizer_fingerprint": fp})
         parts.append(stream)
     return torch.cat(parts)
 

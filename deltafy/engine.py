@@ -2,25 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from .errors import DeltafyError
+from .runs import (
+    RunLock,
+    Stop,
+    atomic_trainer,
+    clear_run_state,
+    guard_out,
+    newest_complete,
+    remove_leftovers,
+    set_aside,
+    step_of,
+    write_failure,
+)
 from .train import (
     METRICS_FILE,
     STATE_DIR,
     TrainOptions,
     TrainResult,
     append_metrics,
+    check_seq_len,
+    compare_records,
     is_main_process,
     mean_beta_per_layer,
     planned_steps,
+    read_record,
+    run_record,
     select_trainable,
     unwrap_lora,
+    write_record,
 )
 
 
@@ -39,21 +59,27 @@ class NonFiniteLoss(DeltafyError):
     pass
 
 
-def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool):
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool, stop: Stop):
     from transformers import TrainerCallback
 
     class Monitor(TrainerCallback):
-        """Metrics as JSON lines, a rich progress bar, and a stop on a non-finite loss."""
+        """Metrics as JSON lines; progress as a rich bar on a terminal, else a plain line every
+        tenth of the run (a log file or CI would otherwise show nothing until the end); a stop on
+        a non-finite loss or a signal."""
 
         def __init__(self):
             self.progress = None
             self.started = None
-            self.last_step_time = None
+            self.every = max(1, total_steps // 10)
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
             self.first_step = state.global_step
-            if show_progress and state.is_world_process_zero:
+            if show_progress and state.is_world_process_zero and sys.stderr.isatty():
                 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
                 self.progress = Progress(
@@ -67,6 +93,11 @@ def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: b
                 self.task = self.progress.add_task("train", total=total_steps, completed=state.global_step, info="")
                 self.progress.start()
 
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop.requested():  # at a step boundary: save this step, then leave the loop
+                control.should_save = True
+                control.should_training_stop = True
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = dict(logs or {})
             loss = logs.get("loss")
@@ -78,14 +109,19 @@ def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: b
             elapsed = time.perf_counter() - self.started
             done = max(state.global_step - self.first_step, 1)
             logs |= {"step": state.global_step, "tokens_per_second": done * tokens_per_step / elapsed}
-            if state.is_world_process_zero:
-                append_metrics(out, logs)
-                if self.progress is not None and loss is not None:
-                    speed, lr = logs["tokens_per_second"], logs.get("learning_rate", 0.0)
-                    info = f"loss {loss:.4f} · {speed:.0f} tok/s · lr {lr:.2e}"
-                    self.progress.update(self.task, completed=state.global_step, info=info)
-                elif self.progress is not None:
+            if not state.is_world_process_zero:
+                return
+            append_metrics(out, logs)
+            if loss is None:
+                if self.progress is not None:
                     self.progress.update(self.task, completed=state.global_step)
+                return
+            speed, lr = logs["tokens_per_second"], logs.get("learning_rate", 0.0)
+            info = f"loss {loss:.4f} · {speed:.0f} tok/s · lr {lr:.2e}"
+            if self.progress is not None:
+                self.progress.update(self.task, completed=state.global_step, info=info)
+            elif show_progress and (state.global_step % self.every == 0 or state.global_step == total_steps):
+                _to_stderr(f"train: step {state.global_step}/{total_steps} · {info}")
 
         def on_train_end(self, args, state, control, **kwargs):
             self.stop()
@@ -108,25 +144,94 @@ def run_training(
     overwrite: bool = False,
     show_progress: bool = True,
     status=lambda message: None,
+    notice=_to_stderr,
 ) -> TrainResult:
-    from transformers import Trainer, TrainingArguments, get_scheduler
-
-    from .checkpoint import load, load_tokenizer, save
-    from .data import pack, split_held_out, token_stream
-    from .evaluate import evaluate
+    """Train ``model_dir`` into ``out``. ``status`` gets transient progress ("loading ..."),
+    ``notice`` the lines the user should keep (what a resume changed or skipped)."""
+    from .checkpoint import read_config
 
     out = Path(out).expanduser()
-    state_dir = out / STATE_DIR
-    if out.is_dir() and any(out.iterdir()) and not (resume or overwrite):
-        raise DeltafyError(f"{out} already holds files; pass --resume to continue that run or --overwrite")
-    if resume and not any(state_dir.glob("checkpoint-*")):
+    guard_out(out, model_dir, resume, overwrite)  # before anything is loaded
+    config = read_config(model_dir)
+    check_seq_len(config, options.seq_len)
+    # Rank 0 speaks for a torchrun job: it holds the lock and says what the run does.
+    lock = RunLock(out) if is_main_process() else contextlib.nullcontext()
+    notice = notice if is_main_process() else (lambda message: None)
+    with lock, Stop() as stop:
+        return _train(
+            model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop
+        )
+
+
+def _resume_point(out: Path, state_dir: Path, notice) -> Path:
+    checkpoint, skipped = newest_complete(state_dir)
+    if checkpoint is None:
+        if skipped:
+            names = ", ".join(f"{p.name} (no {', '.join(m)})" for p, m in skipped)
+            raise DeltafyError(
+                f"nothing to resume in {out}: every checkpoint is incomplete: {names}; start over with --overwrite"
+            )
         raise DeltafyError(f"nothing to resume in {out}: no checkpoint was saved there yet")
+    for path, missing in skipped:
+        aside = set_aside(path) if is_main_process() else path
+        notice(
+            f"skipping {path.name}: incomplete (no {', '.join(missing)}; an interrupted save), moved to "
+            f"{aside.name}; resuming from {checkpoint.name}"
+        )
+    return checkpoint
+
+
+def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop):
+    from transformers import TrainingArguments, get_scheduler
+
+    from .checkpoint import load, load_tokenizer, save
+    from .data import fingerprint, pack, split_held_out, token_stream
+    from .evaluate import evaluate
+
+    state_dir = out / STATE_DIR
+    main = is_main_process()
+    if main:
+        remove_leftovers(out, state_dir, notice)
+    checkpoint = _resume_point(out, state_dir, notice) if resume else None
     torch.manual_seed(options.seed)
-    status(f"loading {model_dir}")
-    model = load(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise DeltafyError(f"{model_dir} has no tokenizer; training needs one to read text")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = planned_steps(options, world)
+    record = run_record(
+        model_dir,
+        config["deltafy"],
+        options,
+        data,
+        eval_data,
+        fingerprint(data, tokenizer, options.text_field),
+        fingerprint(eval_data, tokenizer, options.text_field) if eval_data else None,
+    )
+    finished = False
+    if checkpoint is not None:
+        saved = read_record(state_dir)
+        if saved is None:
+            notice(f"{state_dir} has no run record (an older deltafy's run): its settings cannot be checked")
+        else:
+            for change in compare_records(saved, record, out):
+                notice(f"resuming with {change}")
+        trained = step_of(checkpoint)
+        if trained >= steps:
+            if (out / "config.json").is_file():
+                raise DeltafyError(
+                    f"nothing to train: the run in {out} already trained {trained} of {steps} steps and wrote its "
+                    f"model; pass a larger --steps with --resume to train further"
+                )
+            finished = True
+            notice(f"the run already trained {trained} of {steps} steps: writing its model from {checkpoint.name}")
+    if main:
+        if overwrite and not resume:
+            clear_run_state(out, state_dir, out / METRICS_FILE)
+        write_record(state_dir, record)
+
+    status(f"loading {model_dir}")
+    model = load(model_dir, dtype=torch.float32)
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)
     if eval_data:
@@ -138,17 +243,11 @@ def run_training(
 
     cuda = torch.cuda.is_available()
     bf16 = options.precision == "bf16" or (options.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps = planned_steps(options, world)
     model, groups = select_trainable(model, options.train, options)
     trainable = sum(p.numel() for g in groups for p in g["params"])
 
-    if is_main_process():
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            (out / METRICS_FILE).unlink(missing_ok=True)
     status("held-out loss before training")
-    before = evaluate(model, eval_blocks, options.batch_size).loss if is_main_process() else float("nan")
+    before = evaluate(model, eval_blocks, options.batch_size).loss if main else float("nan")
 
     args = TrainingArguments(
         output_dir=str(state_dir),
@@ -159,7 +258,7 @@ def run_training(
         logging_nan_inf_filter=False,
         save_strategy="steps",
         save_steps=options.save_every,
-        save_total_limit=2,
+        save_total_limit=None,  # AtomicCheckpointTrainer keeps the newest KEEP_CHECKPOINTS itself
         eval_strategy="steps",
         eval_steps=options.eval_every,
         per_device_eval_batch_size=options.batch_size,
@@ -167,14 +266,13 @@ def run_training(
         seed=options.seed,
         data_seed=options.seed,
         bf16=bf16,
-        gradient_checkpointing=options.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if options.gradient_checkpointing else None,
         report_to=[],
         disable_tqdm=True,
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
         save_only_model=False,
         use_cpu=not cuda,
+        **_checkpointing_args(options.gradient_checkpointing),
     )
     optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in groups])
     scheduler = get_scheduler(
@@ -184,33 +282,47 @@ def run_training(
         num_training_steps=steps,
     )
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
-    trainer = Trainer(
+    trainer = atomic_trainer()(
         model=model,
         args=args,
         train_dataset=_Blocks(train_blocks),
         eval_dataset=_Blocks(eval_blocks),
         optimizers=(optimizer, scheduler),
-        callbacks=[monitor := _monitor(out, steps, tokens_per_step, show_progress)],
+        callbacks=[monitor := _monitor(out, steps, tokens_per_step, show_progress, stop)],
     )
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # the Monitor callback reports progress instead
     started = time.perf_counter()
-    try:
-        trainer.train(resume_from_checkpoint=True if resume else None)
-    except KeyboardInterrupt:  # Ctrl-C is the user's doing, not a failure: no cause to show (from None below)
-        monitor.stop()
-        if trainer.state.global_step > 0:
-            trainer._save_checkpoint(trainer.model, trial=None)
-        raise DeltafyError(
-            f"interrupted at step {trainer.state.global_step}; a checkpoint was saved in {state_dir}: "
-            f"continue with the same command plus --resume"
-        ) from None
+    if finished:
+        trainer._load_from_checkpoint(str(checkpoint))
+        trainer.state.global_step = step_of(checkpoint)
+    else:
+        stop.training = True
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except KeyboardInterrupt:  # a second signal: the user's doing, not a failure (from None below)
+            last, _ = newest_complete(state_dir)
+            kept = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
+            raise DeltafyError(
+                f"interrupted twice at step {trainer.state.global_step}: stopped at once without saving; {kept}"
+            ) from None
+        finally:
+            stop.training = False
+            monitor.stop()
     bad = getattr(trainer.state, "deltafy_nonfinite", None)
     if bad is not None:
+        last, _ = newest_complete(state_dir)
+        kept = f"the last checkpoint from before is {last}" if last else "no checkpoint was saved before it"
         raise DeltafyError(
-            f"the loss became NaN/inf at step {bad}; training stopped without saving a model. Checkpoints "
-            f"from before are in {state_dir}: resume from one with a lower --lr or --gate-lr-scale"
+            f"the loss became NaN/inf at step {bad}; training stopped without saving a model ({kept}); start "
+            f"again with a lower --lr or --gate-lr-scale in a new --out (or with --overwrite)"
+        )
+    if stop.signal is not None and trainer.state.global_step < steps:
+        name = signal.Signals(stop.signal).name
+        raise DeltafyError(
+            f"interrupted at step {trainer.state.global_step} by {name}; a checkpoint was saved in "
+            f"{state_dir / f'checkpoint-{trainer.state.global_step}'}: continue with the same command plus --resume"
         )
     done = max(trainer.state.global_step, 1)
     seconds = (time.perf_counter() - started) / done
@@ -222,7 +334,7 @@ def run_training(
         trainable_params=trainable,
         out=out,
     )
-    if is_main_process():
+    if main:
         status("held-out loss after training")
         # The model as trained (with its LoRA adapters, when it has any): what the run produced.
         result.loss_after = evaluate(trainer.model, eval_blocks, options.batch_size).loss
@@ -238,10 +350,32 @@ def run_training(
             },
         )
         status(f"writing {out}")
-        model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
-        save(model, out, tokenizer=tokenizer, provenance=model.config.deltafy.get("provenance"), into=True)
+        try:
+            model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
+            save(model, out, tokenizer=tokenizer, provenance=model.config.deltafy.get("provenance"), into=True)
+        except Exception as err:
+            last, _ = newest_complete(state_dir)
+            if isinstance(err, DeltafyError) and last is not None:
+                raise DeltafyError(f"{err}; {last} is still usable: free space and rerun with --resume") from err
+            failure = write_failure(err, f"the model into {out}", state_dir)
+            if failure is not None:
+                raise failure from err
+            raise
     _leave_process_group()
     return result
+
+
+def _checkpointing_args(enabled: bool) -> dict:
+    """Activation checkpointing under the name this transformers reads: ``gradient_checkpointing``
+    is a deprecated alias since v5, whose FutureWarning every run would otherwise print."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in fields(TrainingArguments)}
+    name = "activation" if "activation_checkpointing" in names else "gradient"
+    kwargs = {"use_reentrant": False} if enabled else None
+    return {f"{name}_checkpointing": enabled, f"{name}_checkpointing_kwargs": kwargs}
 
 
 def _leave_process_group() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -11,6 +12,10 @@ from pathlib import Path
 import torch
 
 from .data import pack, token_stream
+from .errors import DeltafyError
+
+# Where configs keep their context length: llama and most others, gpt2, older gpt2-style, some remote-code families.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
 @dataclass
@@ -26,16 +31,53 @@ class EvalResult:
         return json.dumps(asdict(self))
 
 
+def model_positions(config) -> int | None:
+    """The longest sequence ``config``'s model was built for, or None where the config does not say."""
+    for key in POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_sizes(seq_len: int, batch_size: int, max_blocks: int | None = None, config=None) -> None:
+    """Refuse sizes that cannot be evaluated, all of them in one line that names each option and
+    what it takes; with ``config``, also a block longer than the model's positions (GPT-2's learned
+    positions end at ``n_positions``: past them it fails; rotary models read positions they never
+    saw and report a meaningless loss)."""
+    problems = []
+    if seq_len < 2:
+        problems.append(f"--seq-len takes an integer ≥ 2 (a block predicts every token but its first); got {seq_len}")
+    if batch_size < 1:
+        problems.append(f"--batch-size takes an integer ≥ 1; got {batch_size}")
+    if max_blocks is not None and max_blocks < 1:
+        problems.append(f"--max-blocks takes an integer ≥ 1 (leave it out for every block); got {max_blocks}")
+    positions = model_positions(config) if config is not None else None
+    if positions is not None and seq_len > positions:
+        problems.append(
+            f"--seq-len {seq_len} is longer than the model's {positions} positions; pass at most {positions}"
+        )
+    if problems:
+        raise DeltafyError("; ".join(problems))
+
+
 def load_any(source: str, dtype: str = "auto", device: str | None = None):
     """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id."""
     from .checkpoint import load, load_tokenizer
     from .sources import is_deltafy_folder, load_source
 
-    if is_deltafy_folder(Path(source).expanduser()):
+    if is_deltafy_folder(Path(source).expanduser()):  # deltafy's own classes: no code from the folder runs
         model = load(source, dtype=None if dtype == "auto" else dtype)
         tokenizer = load_tokenizer(source)
     else:
-        loaded = load_source(source, dtype)
+        # Quiet: load_source warns of a missing tokenizer for conversion's sake; evaluation refuses instead.
+        sources_log = logging.getLogger("deltafy.sources")
+        level = sources_log.level
+        sources_log.setLevel(logging.ERROR)
+        try:
+            loaded = load_source(source, dtype)
+        finally:
+            sources_log.setLevel(level)
         model, tokenizer = loaded.model, loaded.tokenizer
     if device:
         model.to(device)
@@ -82,6 +124,7 @@ def evaluate_text(
     max_blocks: int | None = None,
     text_field: str = "text",
 ) -> EvalResult:
+    check_sizes(seq_len, batch_size, max_blocks, model.config)  # before the text is read
     blocks = pack(token_stream(data, tokenizer, text_field), seq_len)
     if max_blocks is not None:
         blocks = blocks[:max_blocks]

@@ -26,6 +26,9 @@ from .errors import DeltafyError
 from .modeling_deltafy import DeltaSpec
 
 DEFAULT_RECIPE = "ddl-scalar"
+SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
+# Two d x r matrices per site: past d (at most 16384 in today's decoders) a full d x d head is smaller.
+RANK_MAX = 16384
 
 
 class TrainingDefaults(BaseModel):
@@ -33,11 +36,12 @@ class TrainingDefaults(BaseModel):
 
     This model is the one place that defines them: ``deltafy train`` builds one flag per field
     (``seq_len`` -> ``--seq-len``) with the field's type, default and description as its help, so
-    the descriptions are written for ``--help`` (no square brackets: they are rich markup there).
+    the descriptions are written for ``--help``.
     The gate's own learning rate is what makes converted heads trainable (README, "Gates that open").
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan: `--lr inf` or `lr: 1e400` (YAML reads it as a string, pydantic as inf) is a typo, not a setting.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: PositiveFloat = Field(1e-3, description="learning rate of the target and direction heads")
     gate_lr_scale: PositiveFloat = Field(
@@ -48,14 +52,14 @@ class TrainingDefaults(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     steps: PositiveInt | None = Field(None, description="optimizer steps; 200 if neither steps nor tokens is set")
     tokens: PositiveInt | None = Field(None, description="token budget; sets the number of steps")
-    seq_len: PositiveInt = Field(256, description="tokens per training block")
+    seq_len: int = Field(256, ge=2, description="tokens per training block (a block predicts all but its first)")
     batch_size: PositiveInt = Field(8, description="blocks per device per micro-step")
     grad_accum: PositiveInt = Field(1, description="micro-steps per optimizer step")
     lora_lr: PositiveFloat = Field(2e-4, description="learning rate of LoRA adapters and of train: all")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
     train: Literal["heads", "heads+lora", "lora", "all"] = Field("heads", description="what trains")
-    lora_r: PositiveInt = Field(8, description="LoRA rank")
+    lora_r: PositiveInt = Field(8, le=RANK_MAX, description="LoRA rank")
     lora_alpha: PositiveFloat = Field(16.0, description="LoRA alpha; adapter updates are scaled by alpha / r")
     lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
     merge_lora: bool = Field(
@@ -65,7 +69,9 @@ class TrainingDefaults(BaseModel):
     eval_every: PositiveInt = Field(50, description="optimizer steps between held-out evaluations")
     save_every: PositiveInt = Field(100, description="optimizer steps between resumable checkpoints in OUT/training/")
     max_eval_blocks: PositiveInt = Field(64, description="held-out blocks each evaluation reads, at most")
-    seed: int = Field(0, description="seed for LoRA init, the data order and the held-out split")
+    seed: int = Field(
+        0, ge=0, le=SEED_MAX, description="seed for LoRA init, the data order and the held-out split (0 to 2^32-1)"
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 on a GPU that supports it, else fp32"
     )
@@ -79,7 +85,7 @@ class Recipe(BaseModel):
     """How every residual write of a model becomes a Deep Delta Learning write (the conversion's
     defaults are DeltaSpec's, the spec the surgery reads: one place holds them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="short identifier, recorded in the checkpoint")
     description: str = Field("", description="one line shown by `deltafy recipes`")
@@ -88,7 +94,9 @@ class Recipe(BaseModel):
         description="k = the sublayer's own write normalized (paper) or a learned head on the context",
     )
     rank: PositiveInt | None = Field(
-        DeltaSpec.rank, description="rank of the learned direction head (None: full d x d); learned only"
+        DeltaSpec.rank,
+        le=RANK_MAX,
+        description="rank of the learned direction head (None: full d x d); learned only",
     )
     sites: list[Literal["attn", "mlp"]] = Field(
         default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"

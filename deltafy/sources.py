@@ -125,13 +125,27 @@ def refuse_deltafy_folder(path: Path, what: str) -> None:
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
 
 
+# Every transformers load names it: left unset, transformers asks on the terminal whether to run a
+# folder's own code (and waits for an answer), which stalls any non-interactive run.
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+def _needs_remote_code(err: BaseException) -> bool:
+    return "trust_remote_code" in str(err)
+
+
 def load_config(location: str, what: str, **kwargs):
     """The config of a model to convert, checked to be a supported family (no weights are read)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(location, **kwargs)
+        config = AutoConfig.from_pretrained(location, **NO_REMOTE_CODE, **kwargs)
     except Exception as err:  # OSError, JSON and validation errors alike
+        if _needs_remote_code(err):
+            raise DeltafyError(
+                f"{what} needs its own modeling code (auto_map in its config.json), and deltafy runs no code "
+                f"from a model folder; convert a model of a family transformers ships"
+            ) from err
         if kwargs.get("local_files_only") is False:
             raise DeltafyError(
                 f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
@@ -153,7 +167,7 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
         torch_dtype = _dtype(dtype, config)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                location, dtype=torch_dtype, output_loading_info=True, **kwargs
+                location, dtype=torch_dtype, output_loading_info=True, **NO_REMOTE_CODE, **kwargs
             )
         except DeltafyError:
             raise
@@ -166,7 +180,7 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
                 f"{missing[0]}); the files may be truncated or from another model"
             )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(location, **NO_REMOTE_CODE, **kwargs)
         except Exception:
             log.warning("no usable tokenizer in %s; the self-check uses random token ids", what)
             tokenizer = None
@@ -201,8 +215,10 @@ def load_gguf(path: Path, dtype: str) -> Source:
     if not (cached / "config.json").is_file():
         previous = _quiet_transformers()
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32, **NO_REMOTE_CODE
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **NO_REMOTE_CODE)
         except Exception as err:
             raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
         finally:

@@ -2,11 +2,13 @@
 
 The Trainer brings gradient accumulation, schedules, DDP under torchrun / accelerate, bf16
 autocast, gradient checkpointing and exact resumption; deltafy adds what is specific to DDL: which
-parameters train, the gate's own learning rate, and a clean output folder.
+parameters train, the gate's own learning rate, a clean output folder, and the run record that
+``--resume`` checks (a resume with other data or settings would silently train another run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,6 +26,11 @@ from .recipe import TrainingDefaults, format_validation
 Mode = Literal["heads", "heads+lora", "lora", "all"]
 STATE_DIR = "training"  # resumable Trainer checkpoints, inside --out
 METRICS_FILE = "metrics.jsonl"
+RECORD_FILE = "run.json"  # inside STATE_DIR: the settings a --resume must match
+
+# Settings a resumed run may change: they decide how long it runs and how often it reports or
+# saves, not what a step computes. Every other recorded field must match the saved run.
+CHANGEABLE = ("steps", "tokens", "eval_every", "save_every", "max_eval_blocks", "gradient_checkpointing", "merge_lora")
 
 
 TrainOptions = TrainingDefaults
@@ -172,6 +179,92 @@ def planned_steps(options: TrainOptions, world_size: int) -> int:
         per_step = options.seq_len * options.batch_size * options.grad_accum * world_size
         return max(1, math.ceil(options.tokens / per_step))
     return 200
+
+
+def check_seq_len(config: dict, seq_len: int) -> None:
+    """A block longer than the model's positions: GPT-2 would fail with an IndexError mid-run, a
+    rotary model would train silently on positions it never saw."""
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        limit = config.get(key)
+        if isinstance(limit, int) and limit > 0:
+            if seq_len > limit:
+                raise DeltafyError(
+                    f"--seq-len {seq_len} is longer than the model's {limit} positions ({key}); "
+                    f"pass --seq-len {limit} or less"
+                )
+            return
+
+
+# -- the run record -------------------------------------------------------------------------------
+
+
+def model_identity(model_dir: str) -> str:
+    """A cheap identity of a checkpoint folder: config.json's bytes (a conversion or a training run
+    writes its provenance, with a timestamp, there) plus each weight file's size and safetensors
+    header (names, dtypes, shapes, offsets). A full content hash would read every weight on every
+    start and resume, minutes for a large model, to catch only a rewrite that kept config.json."""
+    folder = Path(model_dir).expanduser()
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            digest.update(f"{file.name}:{file.stat().st_size}:".encode() + fh.read(min(length, 100_000_000)))
+    return digest.hexdigest()[:24]
+
+
+def run_record(model_dir: str, spec: dict, options, data: list[str], eval_data, data_fp: str, eval_fp) -> dict:
+    recipe = {k: v for k, v in spec.get("recipe", {}).items() if k != "training"}  # its training: section is below
+    return {
+        "model": model_identity(model_dir),
+        "model_dir": str(model_dir),
+        "recipe": recipe,
+        "data": data_fp,
+        "data_sources": list(data),
+        "eval_data": eval_fp,
+        "eval_sources": list(eval_data or []),
+        "options": options.model_dump(mode="json"),
+    }
+
+
+def read_record(state_dir: Path) -> dict | None:
+    try:
+        return json.loads((state_dir / RECORD_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise DeltafyError(f"could not read {state_dir / RECORD_FILE}: {err}; the run cannot be checked") from err
+
+
+def write_record(state_dir: Path, record: dict) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".{RECORD_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, state_dir / RECORD_FILE)
+
+
+def compare_records(old: dict, new: dict, out: Path) -> list[str]:
+    """Refuse a resume whose run is not the saved one; return what legitimately changed."""
+    refused, changed = [], []
+    if old["model"] != new["model"]:
+        refused.append(f"model {old['model_dir']} → {new['model_dir']} (a different checkpoint)")
+    if old["recipe"] != new["recipe"]:
+        refused.append("conversion recipe")
+    for key, sources in (("data", "data_sources"), ("eval_data", "eval_sources")):
+        if old[key] != new[key]:
+            before, after = ", ".join(old[sources]) or "none", ", ".join(new[sources]) or "none"
+            what = f"{before} → {after}" if before != after else "the same inputs now hold different text"
+            refused.append(f"--{key.replace('_', '-')} {what}")
+    for key in sorted(set(old["options"]) | set(new["options"])):
+        a, b = old["options"].get(key), new["options"].get(key)
+        if a != b:
+            (changed if key in CHANGEABLE else refused).append(f"--{key.replace('_', '-')} {a} → {b}")
+    if refused:
+        raise DeltafyError(
+            f"cannot resume {out}: the run was started with other settings ({'; '.join(refused)}); rerun with "
+            f"the original settings, or start a new run in another --out"
+        )
+    return changed
 
 
 __all__ = ["TrainOptions", "TrainResult", "options_from", "select_trainable", "unwrap_lora", "delta_sites"]

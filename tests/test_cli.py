@@ -515,3 +515,49 @@ def test_alias_error_through_cli_main(monkeypatch, capsys, tmp_path):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "pip install" in lines[0], stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _help_rows(capsys, argv: list[str]) -> dict[str, str]:
+    """``deltafy ARGV --help`` as option -> its row, read in this process (one command line per row)."""
+    from deltafy.cli import main
+
+    try:
+        main([*argv, "--help"])
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        words = line.strip("│ *").split()
+        if words and words[0].startswith("--"):
+            rows[words[0]] = " ".join(words)
+    return rows
+
+
+def test_help_shows_every_default(monkeypatch, capsys):
+    import typer
+
+    from deltafy.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")  # wide: no row wraps
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    commands, groups = [], [([], typer.main.get_command(app))]
+    while groups:  # every command, `cache info` and the like included
+        path, group = groups.pop()
+        for name, command in group.commands.items():
+            (groups if hasattr(command, "commands") else commands).append(([*path, name], command))
+    checked = 0
+    for argv, command in commands:
+        rows = _help_rows(capsys, argv)
+        for param in command.params:
+            # (typer brings its own copy of click: its classes are not the click package's)
+            if param.param_type_name != "option" or param.name == "help" or param.required:
+                continue
+            flag = next(opt for opt in param.opts if opt.startswith("--"))
+            row = rows[flag]
+            assert "default:" in row, f"deltafy {' '.join(argv)} --help shows no default for {flag}: {row}"
+            if param.default is not None and not (param.is_flag and param.default is False):
+                value = getattr(param.default, "value", param.default)  # an Enum shows its value
+                assert f"default: {value}" in row, row
+            checked += 1
+    assert {"convert", "eval", "train", "inspect", "recipes"} <= {argv[0] for argv, _ in commands}
+    assert checked > 40  # train alone has 24 generated options

@@ -11,7 +11,8 @@ import torch
 from _train_helpers import run_cli
 
 from deltafy.cli import main
-from deltafy.evaluate import evaluate_text, load_any
+from deltafy.errors import DeltafyError
+from deltafy.evaluate import check_sizes, evaluate_text, load_any, model_positions
 
 SEQ = 32
 
@@ -116,3 +117,31 @@ def test_eval_of_a_folder_without_tokenizer_fails(tiny, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "has no tokenizer" in captured.err and "Traceback" not in captured.err
+
+
+def test_positions_are_read_from_every_family_s_key():
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+
+    assert model_positions(tiny_config("gpt2")) == tiny_config("gpt2").n_positions == 1024
+    assert model_positions(tiny_config("llama-tied")) == tiny_config("llama-tied").max_position_embeddings
+    assert model_positions(SimpleNamespace(n_ctx=512)) == 512
+    assert model_positions(SimpleNamespace(hidden_size=64)) is None  # unknown: nothing to check against
+
+
+def test_sizes_are_checked_together_and_before_the_text_is_read(tiny):
+    with pytest.raises(DeltafyError) as err:
+        check_sizes(1, 0, 0)
+    message = str(err.value)
+    assert "\n" not in message
+    for fragment in ("--seq-len takes an integer ≥ 2", "--batch-size takes an integer ≥ 1", "--max-blocks takes"):
+        assert fragment in message, message
+    check_sizes(2, 1, 1)
+    model, tokenizer = load_any(str(tiny.delta))
+    positions = model_positions(model.config)
+    # A missing file would be its own error: the sizes are refused first.
+    with pytest.raises(DeltafyError, match=f"--seq-len {positions + 1} is longer than the model's {positions} "):
+        evaluate_text(model, tokenizer, ["no-such-file.txt"], seq_len=positions + 1)
+    with pytest.raises(DeltafyError, match="--batch-size takes an integer ≥ 1; got 0"):
+        evaluate_text(model, tokenizer, ["no-such-file.txt"], seq_len=SEQ, batch_size=0)

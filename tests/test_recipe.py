@@ -142,6 +142,16 @@ def test_unknown_nested_key_is_named_with_its_path(tmp_path):
         ("name: x\ntraining:\n  weight_decay: -0.1\n", ["training.weight_decay"]),
         ("direction: learned\n", ["name"]),
         ("name: x\ndirection: foo\ngate_bias: 5\nbogus: 1\n", ["direction", "gate_bias", "bogus"]),
+        ("name: x\ndirection: learned\nrank: 1.0e+20\n", ["rank:"]),
+        ("name: x\ndirection: learned\nrank: 100000000\n", ["rank: Input should be less than or equal to 16384"]),
+        ("name: x\ntraining:\n  lr: 1e400\n", ["training.lr: Input should be a finite number"]),
+        ("name: x\ntraining:\n  lr: .inf\n", ["training.lr: Input should be a finite number"]),
+        ("name: x\neps: .nan\n", ["eps: Input should be a finite number"]),
+        ("name: x\ntraining:\n  weight_decay: .inf\n", ["training.weight_decay"]),
+        ("name: x\ntraining:\n  seed: -1\n", ["training.seed: Input should be greater than or equal to 0"]),
+        ("name: x\ntraining:\n  seed: 4294967296\n", ["training.seed: Input should be less than or equal to"]),
+        ("name: x\ntraining:\n  seq_len: 1\n", ["training.seq_len: Input should be greater than or equal to 2"]),
+        ("name: x\ntraining:\n  lora_r: 100000000\n", ["training.lora_r"]),
     ],
     ids=[
         "direction-foo",
@@ -158,6 +168,16 @@ def test_unknown_nested_key_is_named_with_its_path(tmp_path):
         "weight-decay-negative",
         "name-missing",
         "several-errors",
+        "rank-1e20",
+        "rank-above-the-largest-hidden-size",
+        "lr-1e400-read-as-inf",
+        "lr-inf",
+        "eps-nan",
+        "weight-decay-inf",
+        "seed-negative",
+        "seed-above-32-bits",
+        "seq-len-1",
+        "lora-r-huge",
     ],
 )
 def test_bad_values_raise_one_line_error(tmp_path, body, fragments):
@@ -230,3 +250,12 @@ def test_undecodable_file_raises(tmp_path):
     with pytest.raises(DeltafyError) as excinfo:
         load_recipe(path)
     assert str(path) in _one_line_error(excinfo)
+
+
+def test_numbers_at_their_bounds_are_accepted():
+    from deltafy.recipe import RANK_MAX, SEED_MAX, TrainingDefaults
+
+    training = TrainingDefaults(seed=SEED_MAX, seq_len=2, lora_r=RANK_MAX)
+    assert (training.seed, training.seq_len, training.lora_r) == (2**32 - 1, 2, RANK_MAX)
+    assert TrainingDefaults(seed=0).seed == 0
+    assert recipe_from_dict({"name": "x", "direction": "learned", "rank": RANK_MAX}).rank == RANK_MAX

@@ -198,13 +198,15 @@ def test_resume_continues_exactly(tiny, tmp_path):
     n = 4  # 24 training blocks / batch 4 = 6 steps per epoch: the run crosses an epoch boundary
     straight = tmp_path / "straight"
     train(tiny, straight, steps=2 * n, save_every=n)
-    assert sorted(p.name for p in (straight / "training").iterdir()) == [f"checkpoint-{n}", f"checkpoint-{2 * n}"]
+    saved = sorted(p.name for p in (straight / "training").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{n}", f"checkpoint-{2 * n}"]
 
     # The folder an interrupted run leaves after step n: its checkpoint and its first n records.
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "training" / f"checkpoint-{n}", resumed / "training" / f"checkpoint-{n}")
     first = [r for r in read_metrics(straight) if r.get("step", 0) <= n and "loss" in r]
     (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    shutil.copy(straight / "training" / "run.json", resumed / "training" / "run.json")  # checked on resume
 
     with pytest.raises(DeltafyError, match="already holds files"):
         train(tiny, resumed, steps=2 * n, save_every=n)
@@ -319,11 +321,14 @@ def test_nan_loss_stops_with_an_error_and_keeps_the_earlier_checkpoint(tiny, tmp
     with pytest.raises(DeltafyError, match="NaN") as err:
         train(tiny, out, steps=4, save_every=1, lr=1e30)
     message = str(err.value)
-    assert "\n" not in message and "step 2" in message and str(out / "training") in message
-    assert sorted(p.name for p in (out / "training").iterdir()) == ["checkpoint-1"]
+    assert "\n" not in message and "step 2" in message and str(out / "training" / "checkpoint-1") in message
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-1"]
     assert (out / "training" / "checkpoint-1" / "model.safetensors").is_file()
     assert not (out / "config.json").exists()  # no final model was written
     assert [r["step"] for r in step_records(read_metrics(out))] == [1]
+    # Without a checkpoint from before, the message points to none.
+    with pytest.raises(DeltafyError, match="no checkpoint was saved before it"):
+        train(tiny, tmp_path / "unsaved", steps=4, save_every=100, lr=1e30)
 
 
 # -- options -------------------------------------------------------------------------------------
@@ -412,7 +417,7 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     # One step is batch_size blocks of seq_len tokens: an epoch is ceil(32-token blocks / 2) steps.
     blocks = len(token_stream([str(tiny.train_txt)], tiny.tokenizer, use_cache=False)) // 32
     assert steps[0]["epoch"] == pytest.approx(1 / math.ceil(blocks / 2))
-    assert sorted(p.name for p in (out / "training").iterdir()) == ["checkpoint-2"]
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2"]
     deltafy.load(out)
 
 
@@ -439,7 +444,7 @@ def test_torchrun_two_processes(tiny, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("wrote ") == 1  # only rank 0 evaluates, saves and reports
     assert len(list(out.glob("*.safetensors"))) == 1
-    assert sorted(p.name for p in (out / "training").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert {p.name for p in (out / "training" / "checkpoint-4").glob("rng_state_*")} == {
         "rng_state_0.pth",
         "rng_state_1.pth",
@@ -558,6 +563,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tiny, tmp_path):
     assert not (out / "config.json").exists(), "an interrupted run must not look like a finished model"
     step = int(checkpoints[0].name.split("-")[1])
     assert 3 <= step < 400
-    resumed = train(tiny, out, resume=True, steps=step + 2, save_every=1000)
+    # The settings the CLI run used: a resume with others is refused (tests/test_runs.py).
+    resumed = train(tiny, out, resume=True, steps=step + 2, save_every=1000, batch_size=2, lr=TrainOptions().lr)
     assert resumed.steps == step + 2
     assert (out / "config.json").is_file()

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from ..errors import DeltafyError
 from ._console import console, err_console, state
+from .cache import cache_app
 from .convert import convert_command
 from .eval import eval_command
 from .inspect import inspect_command
@@ -48,6 +49,7 @@ app.command("train", no_args_is_help=True, context_settings=_MANY)(train_command
 app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
 app.command("recipes")(recipes_command)
+app.add_typer(cache_app, name="cache")
 
 
 def main(argv: list[str] | None = None) -> None:

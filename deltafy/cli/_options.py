@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from enum import Enum
@@ -11,6 +12,9 @@ from typing import Annotated, Any, get_args, get_origin
 import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from rich.markup import escape
+
+from ..errors import DeltafyError
 
 
 class DType(str, Enum):
@@ -25,7 +29,22 @@ RecipeOpt = Annotated[
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Precision to load and save the model in.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it already holds files.")]
+# A flag that is off unless given: typer shows no default for it, so it is named here (click shows it "(off)").
+OFF = "off"
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace --out if it already holds files.", show_default=OFF)
+]
+
+
+def check_number(option: str, value: float | int | None, *, minimum: float | None = None) -> None:
+    """Refuse a value click parsed but the command cannot use (``--seq-len 0``, ``--tolerance nan``)
+    before any work, naming the option and what it takes; None is an unset option."""
+    if value is None:
+        return
+    kind = "an integer" if isinstance(value, int) else "a finite number"
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" ≥ {minimum:g}"
+        raise DeltafyError(f"{option} takes {kind}{bound}; got {value}")
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -60,7 +79,7 @@ def _field_option(name: str, field: FieldInfo, spelling: str | None, panel: str 
     notes.append(f"default: {'unset' if default is None else default}, or the recipe's")
     option = typer.Option(
         spelling or "--" + name.replace("_", "-"),
-        help=f"{field.description} ({'; '.join(notes)})",
+        help=escape(f"{field.description} ({'; '.join(notes)})"),  # --help reads help as rich markup
         show_default=False,
         rich_help_panel=panel,
         **extra,

@@ -4,24 +4,24 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import DeltafyError
 from ..pipeline import Plan, convert_source, plan_source
 from ..recipe import DEFAULT_RECIPE
-from ._console import console, err_console
-from ._options import DType, DTypeOpt, OverwriteOpt, RecipeOpt
+from ._console import console, err_console, spinner_status
+from ._options import OFF, DType, DTypeOpt, OverwriteOpt, RecipeOpt, check_number
 
 
 def _print_plan(plan: Plan) -> None:
     table = Table("site", "writes (module)", "reads stream at", "context", "scale", box=None)
     for site in plan.sites:
-        table.add_row(
-            site["name"], site["write"], site.get("stream") or "(layer input)", site["context"], f"{site['scale']:g}"
-        )
+        cells = (site["name"], site["write"], site.get("stream") or "(layer input)", site["context"])
+        table.add_row(*map(escape, cells), f"{site['scale']:g}")  # a Table reads its cells as markup
     console.print(
-        f"[bold]{plan.model_type}[/] · {plan.layout} · {plan.layers} layers · "
-        f"recipe [bold]{plan.recipe.name}[/] (direction {plan.recipe.direction})"
+        f"[bold]{escape(plan.model_type)}[/] · {escape(plan.layout)} · {plan.layers} layers · "
+        f"recipe [bold]{escape(plan.recipe.name)}[/] (direction {plan.recipe.direction})"
     )
     console.print(table)
     share = 100 * plan.params_added / max(plan.params_base, 1)
@@ -31,16 +31,22 @@ def _print_plan(plan: Plan) -> None:
 def convert_command(
     source: Annotated[str, typer.Argument(help="Hub id (gpt2), local HF folder, .gguf file, or smollm2-135m.")],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Folder to write the converted checkpoint to.")
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder to write the converted checkpoint to.",
+            show_default="none: needed but for --dry-run",
+        ),
     ] = None,
     recipe: RecipeOpt = DEFAULT_RECIPE,
     dtype: DTypeOpt = DType.auto,
     overwrite: OverwriteOpt = False,
     no_verify: Annotated[
-        bool, typer.Option("--no-verify", help="Skip the self-check against the original model.")
+        bool, typer.Option("--no-verify", help="Skip the self-check against the original model.", show_default=OFF)
     ] = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.")
+        bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.", show_default=OFF)
     ] = False,
     tolerance: Annotated[
         float,
@@ -49,7 +55,9 @@ def convert_command(
             "4·eps·max|logits| (the logits' own rounding)."
         ),
     ] = 1e-3,
-    device: Annotated[str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.", show_default="cpu")
+    ] = None,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
 
@@ -60,13 +68,14 @@ def convert_command(
       deltafy convert gpt2 --out ./gpt2-delta --dtype float32
       deltafy convert ./model.gguf --dry-run
     """
+    check_number("--tolerance", tolerance, minimum=0.0)
     if dry_run:
         _print_plan(plan_source(source, recipe))
         console.print("[dim]dry run: nothing was written[/]")
         return
     if out is None:
         raise DeltafyError("missing --out DIR (or pass --dry-run to only show the plan)")
-    with err_console.status("") as spinner:
+    with spinner_status(err_console) as status:
         result = convert_source(
             source,
             out,
@@ -76,7 +85,7 @@ def convert_command(
             overwrite=overwrite,
             tolerance=tolerance,
             device=device,
-            status=lambda message: spinner.update(message + " …"),
+            status=status,
         )
     _print_plan(result.plan)
     if result.check is not None:
@@ -87,7 +96,8 @@ def convert_command(
         )
     else:
         console.print("[yellow]self-check skipped (--no-verify)[/]")
+    out = str(result.out)
     console.print(
-        f"wrote [bold]{result.out}[/]  load it with "
-        f"AutoModelForCausalLM.from_pretrained('{result.out}', trust_remote_code=True)"
+        f"wrote [bold]{escape(out)}[/]  load it with "
+        f"AutoModelForCausalLM.from_pretrained({escape(repr(out))}, trust_remote_code=True)"
     )

@@ -5,6 +5,7 @@ from typing import Annotated
 
 import torch
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
@@ -31,12 +32,16 @@ def inspect_command(
     model = load(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
+    # The path is the user's and the recipe name a YAML file's: text, not markup.
     console.print(
-        f"[bold]{model_dir}[/]: {spec['base_model_type']} ({spec['base_architecture']}), "
-        f"{spec['layout']}, recipe {spec['recipe']['name']}, direction {spec['direction']}"
+        f"[bold]{escape(str(model_dir))}[/]: "
+        + escape(
+            f"{spec['base_model_type']} ({spec['base_architecture']}), {spec['layout']}, "
+            f"recipe {spec['recipe']['name']}, direction {spec['direction']}"
+        )
     )
     betas = _mean_betas(model, tokenizer)
-    table = Table("layer", *[f"β {s['name']}" for s in spec["sites"]], box=None)
+    table = Table("layer", *[escape(f"β {s['name']}") for s in spec["sites"]], box=None)
     layers = model.get_submodule(spec["layers"])
     for i in range(len(layers)):
         prefix = f"{spec['layers']}.{i}.delta."

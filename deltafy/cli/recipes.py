@@ -1,3 +1,4 @@
+from rich.markup import escape
 from rich.table import Table
 
 from ..recipe import DEFAULT_RECIPE, bundled_recipes, load_recipe
@@ -11,5 +12,6 @@ def recipes_command() -> None:
         recipe = load_recipe(name)
         direction = recipe.direction + (f" (rank {recipe.rank})" if recipe.rank else "")
         label = name + (" (default)" if name == DEFAULT_RECIPE else "")
-        table.add_row(label, direction, ",".join(recipe.sites), f"{recipe.gate_bias:g}", recipe.description)
+        cells = (label, direction, ",".join(recipe.sites), f"{recipe.gate_bias:g}", recipe.description)
+        table.add_row(*map(escape, cells))  # a Table reads its cells as markup; a description is plain text
     console.print(table)

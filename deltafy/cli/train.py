@@ -4,10 +4,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..recipe import TrainingDefaults, load_recipe
-from ._console import console, err_console
-from ._options import OverwriteOpt, with_model_options
+from ._console import console, err_console, spinner_status
+from ._options import OFF, OverwriteOpt, with_model_options
 
 
 # Every training setting is a flag generated from TrainingDefaults, the model that also validates
@@ -35,18 +36,20 @@ def train_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the trained checkpoint and run state.")],
     eval_data: Annotated[
         list[str] | None,
-        typer.Option("--eval-data", help="Held-out text (default: --held-out of --data).", show_default=False),
+        typer.Option("--eval-data", help="Held-out text.", show_default="the --held-out share of --data"),
     ] = None,
     recipe: Annotated[
         str | None,
         typer.Option(
             "--recipe",
             "-r",
-            help="Recipe name or YAML whose training section sets the defaults (default: the checkpoint's recipe).",
-            show_default=False,
+            help="Recipe name or YAML whose training section sets the defaults.",
+            show_default="the checkpoint's recipe",
         ),
     ] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run saved in --out.", show_default=OFF)
+    ] = False,
     overwrite: OverwriteOpt = False,
     **flags,
 ) -> None:
@@ -70,13 +73,18 @@ def train_command(
 
         base = read_config(model_dir)["deltafy"]["recipe"].get("training")
     options = options_from(base, **flags)  # flags left unset are None: the recipe's values stay
-    with err_console.status("") as spinner:
-
-        def status(message: str) -> None:
-            spinner.update(message + " …")
-
+    with spinner_status(err_console) as status:
         result = run_training(
-            model_dir, data, out, options, eval_data=eval_data, resume=resume, overwrite=overwrite, status=status
+            model_dir,
+            data,
+            out,
+            options,
+            eval_data=eval_data,
+            resume=resume,
+            overwrite=overwrite,
+            status=status,
+            # through the console that draws the spinner, so the line lands above it; paths verbatim
+            notice=lambda message: err_console.print(message, markup=False, highlight=False, soft_wrap=True),
         )
     if result.loss_after == result.loss_after:  # not NaN: this is the process that evaluated
         delta = result.loss_after - result.loss_before
@@ -86,4 +94,4 @@ def train_command(
         )
         betas = " ".join(f"{b:.2g}" for b in result.mean_beta_per_layer)
         console.print(f"mean β per layer: {betas}")
-        console.print(f"wrote [bold]{result.out}[/]")
+        console.print(f"wrote [bold]{escape(str(result.out))}[/]")

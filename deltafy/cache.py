@@ -1,0 +1,179 @@
+"""What deltafy keeps in its cache folder (``$DELTAFY_CACHE``, default ``~/.cache/deltafy``).
+
+``tokens/`` holds token streams, each keyed by a hash of the bytes it came from and of the
+tokenizer, with a JSON sidecar that says what it came from; ``gguf/`` holds dequantized copies of
+GGUF files, keyed by the file's sha256; ``kernels/`` holds the C kernels that deltafy 0.1 compiled,
+which nothing reads any more. Every entry is written to a temporary name and renamed, so a killed
+run leaves at most a ``*.tmp-PID`` leftover, never an entry that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import DeltafyError
+from .sources import cache_dir, sha256_file
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    "tokens": "token streams",
+    "gguf": "dequantized GGUF weights",
+    "kernels": "compiled kernels (deltafy 0.1)",
+}
+
+# Digests of files already hashed by this process, keyed by everything a write changes: a write
+# always moves st_ctime, which no tool can put back (os.utime, cp -p and rsync -a restore only
+# mtime). Training reads each input twice (its fingerprint, then its tokens) and pays one read.
+_DIGESTS: dict[tuple, str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in chunks (a large file costs one pass, never its size in memory)."""
+    stat = path.stat()
+    ident = (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if ident not in _DIGESTS:
+        _DIGESTS[ident] = sha256_file(path)
+    return _DIGESTS[ident]
+
+
+def folder_digest(folder: Path) -> tuple[str, int]:
+    """A hash of every file under ``folder`` (names and bytes) and their total size."""
+    digest, total = hashlib.sha256(), 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".lock")):
+        digest.update(json.dumps([path.relative_to(folder).as_posix(), file_digest(path)]).encode())
+        total += path.stat().st_size
+    return digest.hexdigest(), total
+
+
+def _tokens_dir() -> Path:
+    return cache_dir() / "tokens"
+
+
+def load_tokens(key: str) -> torch.Tensor | None:
+    """The cached stream for ``key``, or None: a missing or unreadable entry is a miss, never an error."""
+    path = _tokens_dir() / f"{key}.pt"
+    if not path.is_file():
+        return None
+    try:
+        stream = torch.load(path, weights_only=True)
+    except Exception:  # damaged by hand or by the disk: tokenize again and replace it
+        return None
+    return stream if isinstance(stream, torch.Tensor) and stream.dtype == torch.int32 and stream.dim() == 1 else None
+
+
+def _write_atomically(path: Path, write) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def store_tokens(key: str, stream: torch.Tensor, about: dict) -> None:
+    """Cache ``stream`` under ``key``, with ``about`` (what it came from) as its sidecar.
+
+    A cache that cannot be written (full disk, read-only folder, a concurrent ``cache clear``) costs
+    the next run a new tokenization, not this run: it is a warning, not an error.
+    """
+    root = _tokens_dir()
+    about = {**about, "tokens": stream.numel(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        # The sidecar first: an entry is the .pt file, and it never exists without its description.
+        _write_atomically(root / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(about, indent=1) + "\n"))
+        _write_atomically(root / f"{key}.pt", lambda tmp: torch.save(stream, tmp))
+    except OSError as err:
+        log.warning("could not cache the tokens of %s in %s: %s", about.get("source"), root, err.strerror or err)
+
+
+@dataclass
+class KindInfo:
+    kind: str
+    what: str
+    folder: Path
+    entries: int
+    bytes: int
+
+
+def _size(path: Path) -> int:
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_symlink() or p.is_file())
+
+
+def _entries(folder: Path, kind: str) -> list[Path]:
+    """The complete entries of one kind (temporary leftovers of killed runs are not entries)."""
+    if not folder.is_dir():
+        return []
+    pattern = "*.pt" if kind == "tokens" else "*"
+    return sorted(p for p in folder.glob(pattern) if ".tmp-" not in p.name)
+
+
+def _root() -> Path:
+    root = cache_dir()
+    if root.exists() and not root.is_dir():
+        raise DeltafyError(f"the cache folder {root} is a file; point DELTAFY_CACHE at a folder")
+    return root
+
+
+def cache_info() -> list[KindInfo]:
+    """Entries and bytes of each kind of cache (a missing folder holds nothing)."""
+    root = _root()
+    infos = []
+    for kind, what in KINDS.items():
+        folder = root / kind
+        size = _size(folder) if folder.is_dir() else 0
+        infos.append(KindInfo(kind, what, folder, len(_entries(folder, kind)), size))
+    return infos
+
+
+def token_entries() -> list[dict]:
+    """What each cached token stream came from, newest first (from its sidecar; older entries have none)."""
+    entries = []
+    for path in _entries(_tokens_dir(), "tokens"):
+        try:
+            about = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            about = {}
+        stat = path.stat()
+        entries.append({**about, "key": path.stem, "cached_bytes": stat.st_size, "mtime": stat.st_mtime})
+    return sorted(entries, key=lambda e: e["mtime"], reverse=True)
+
+
+def clear_cache(everything: bool = False) -> list[KindInfo]:
+    """Remove the token streams (``everything``: every kind), and say what went and how much space came back.
+
+    Only deltafy's own subfolders are removed, never the cache folder itself: DELTAFY_CACHE may
+    point at a folder that holds other things too.
+    """
+    removed = []
+    for info in cache_info():
+        if not everything and info.kind != "tokens":
+            continue
+        if info.folder.is_dir():
+            shutil.rmtree(info.folder, ignore_errors=True)  # a file a live run renamed away is no failure
+            if info.folder.exists():
+                raise DeltafyError(f"could not remove all of {info.folder}; check its permissions")
+        removed.append(info)
+    return removed
+
+
+def human_size(n: float) -> str:
+    if n < 1000:
+        return f"{int(n)} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000
+        if n < 1000 or unit == "TB":
+            break
+    return f"{n:.1f} {unit}"
