@@ -181,6 +181,29 @@ def _resume_point(out: Path, state_dir: Path, notice) -> Path:
     return checkpoint
 
 
+def _finished_result(out: Path, steps: int) -> TrainResult:
+    """What a finished run reported, from its metrics' summary (NaN losses if it has none)."""
+    import json
+
+    summary = {}
+    with contextlib.suppress(OSError, ValueError):
+        for line in (out / METRICS_FILE).read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "summary":
+                summary = record
+    nan = float("nan")
+    return TrainResult(
+        steps=steps,
+        loss_before=summary.get("loss_before", nan),
+        loss_after=summary.get("loss_after", nan),
+        seconds_per_step=0.0,
+        trainable_params=0,
+        mean_beta_per_layer=summary.get("mean_beta_per_layer", []),
+        out=out,
+        already_finished=True,
+    )
+
+
 def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop):
     from transformers import TrainingArguments, get_scheduler
 
@@ -219,10 +242,12 @@ def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, 
         trained = step_of(checkpoint)
         if trained >= steps:
             if (out / "config.json").is_file():
-                raise DeltafyError(
+                # Not an error: a job restarted after it finished (a preemptible queue) must succeed.
+                notice(
                     f"nothing to train: the run in {out} already trained {trained} of {steps} steps and wrote its "
                     f"model; pass a larger --steps with --resume to train further"
                 )
+                return _finished_result(out, trained)
             finished = True
             notice(f"the run already trained {trained} of {steps} steps: writing its model from {checkpoint.name}")
     if main:

@@ -120,7 +120,7 @@ class RunLock:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv),
+            "command": " ".join(["deltafy", *sys.argv[1:]]),
         }
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps(holder) + "\n").encode())

@@ -64,6 +64,7 @@ class TrainResult:
     trainable_params: int
     mean_beta_per_layer: list[float] = field(default_factory=list)
     out: Path | None = None
+    already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
 
 
 def select_trainable(model, mode: Mode, options: TrainOptions):

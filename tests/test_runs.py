@@ -108,16 +108,6 @@ def test_out_that_contains_the_input_or_is_a_file(tiny, tmp_path):
     assert time.perf_counter() - started < 0.5
 
 
-def test_a_non_empty_out_names_resume_and_overwrite(tiny, tmp_path):
-    out = tmp_path / "busy"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    with pytest.raises(DeltafyError, match="already holds files") as err:
-        train(tiny, out)
-    assert "--resume" in str(err.value) and "--overwrite" in str(err.value)
-    assert sorted(os.listdir(out)) == ["notes.txt"]
-
-
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tiny, tmp_path):
     out = tmp_path / "run"
     with RunLock(out):
@@ -183,9 +173,17 @@ def test_resume_after_changing_train_mode_is_one_line(tiny, finished, tmp_path):
 
 def test_resume_of_a_finished_run_trains_nothing_and_more_steps_continue(tiny, finished, tmp_path):
     out = copy_run(finished, tmp_path)
-    with pytest.raises(DeltafyError, match="nothing to train: .* already trained 2 of 2 steps"):
-        train(tiny, out, resume=True)
+    before = snapshot(out)
+    notices = []
+    result = train(tiny, out, resume=True, notices=notices)  # a restarted job that had finished: not an error
+    assert len(notices) == 1 and notices[0].startswith("nothing to train: the run in") and "2 of 2 steps" in notices[0]
+    assert result.already_finished and result.steps == 2
+    summary = [r for r in read_metrics(out) if r.get("event") == "summary"][-1]
+    assert (result.loss_before, result.loss_after) == (summary["loss_before"], summary["loss_after"])
     assert [r["step"] for r in step_records(read_metrics(out))] == [1, 2]
+    assert snapshot(out) == before  # nothing trained, nothing written
+    proc = train_cli(tiny, out, "--steps", "2", "--resume", cwd=tmp_path)
+    assert proc.returncode == 0 and "nothing to train" in proc.stderr and "Traceback" not in proc.stderr
     notices = []
     result = train(tiny, out, resume=True, steps=3, eval_every=5, notices=notices)
     assert result.steps == 3

@@ -86,6 +86,8 @@ def train_command(
             # through the console that draws the spinner, so the line lands above it; paths verbatim
             notice=lambda message: err_console.print(message, markup=False, highlight=False, soft_wrap=True),
         )
+    if result.already_finished:  # said so through notice: nothing was trained or written
+        return
     if result.loss_after == result.loss_after:  # not NaN: this is the process that evaluated
         delta = result.loss_after - result.loss_before
         console.print(
