@@ -15,6 +15,7 @@ from .cache import cache_app
 from .convert import convert_command
 from .eval import eval_command
 from .inspect import inspect_command
+from .push import push_command
 from .recipes import recipes_command
 from .train import train_command
 
@@ -49,6 +50,7 @@ app.command("train", no_args_is_help=True, context_settings=_MANY)(train_command
 app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
 app.command("recipes")(recipes_command)
+app.command("push", no_args_is_help=True)(push_command)
 app.add_typer(cache_app, name="cache")
 
 
