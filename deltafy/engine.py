@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from .errors import DeltafyError
+from .plots import write_training_figures
+from .progress import monitor, to_stderr
 from .runs import (
     RunLock,
     Stop,
@@ -34,11 +34,12 @@ from .train import (
     check_seq_len,
     compare_records,
     is_main_process,
-    mean_beta_per_layer,
+    per_layer,
     planned_steps,
     read_record,
     run_record,
     select_trainable,
+    site_betas,
     unwrap_lora,
     write_record,
 )
@@ -59,81 +60,6 @@ class NonFiniteLoss(DeltafyError):
     pass
 
 
-def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool, stop: Stop):
-    from transformers import TrainerCallback
-
-    class Monitor(TrainerCallback):
-        """Metrics as JSON lines; progress as a rich bar on a terminal, else a plain line every
-        tenth of the run (a log file or CI would otherwise show nothing until the end); a stop on
-        a non-finite loss or a signal."""
-
-        def __init__(self):
-            self.progress = None
-            self.started = None
-            self.every = max(1, total_steps // 10)
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-            self.first_step = state.global_step
-            if show_progress and state.is_world_process_zero and sys.stderr.isatty():
-                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-                self.progress = Progress(
-                    TextColumn("[bold]train[/]"),
-                    BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[info]}"),
-                    TimeRemainingColumn(),
-                    transient=False,
-                )
-                self.task = self.progress.add_task("train", total=total_steps, completed=state.global_step, info="")
-                self.progress.start()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if stop.requested():  # at a step boundary: save this step, then leave the loop
-                control.should_save = True
-                control.should_training_stop = True
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = dict(logs or {})
-            loss = logs.get("loss")
-            if loss is not None and not math.isfinite(loss):
-                control.should_training_stop = True
-                control.should_save = False
-                state.deltafy_nonfinite = state.global_step
-                return
-            elapsed = time.perf_counter() - self.started
-            done = max(state.global_step - self.first_step, 1)
-            logs |= {"step": state.global_step, "tokens_per_second": done * tokens_per_step / elapsed}
-            if not state.is_world_process_zero:
-                return
-            append_metrics(out, logs)
-            if loss is None:
-                if self.progress is not None:
-                    self.progress.update(self.task, completed=state.global_step)
-                return
-            speed, lr = logs["tokens_per_second"], logs.get("learning_rate", 0.0)
-            info = f"loss {loss:.4f} · {speed:.0f} tok/s · lr {lr:.2e}"
-            if self.progress is not None:
-                self.progress.update(self.task, completed=state.global_step, info=info)
-            elif show_progress and (state.global_step % self.every == 0 or state.global_step == total_steps):
-                _to_stderr(f"train: step {state.global_step}/{total_steps} · {info}")
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.stop()
-
-        def stop(self):
-            if self.progress is not None:
-                self.progress.stop()
-                self.progress = None
-
-    return Monitor()
-
-
 def run_training(
     model_dir: str,
     data: list[str],
@@ -144,22 +70,54 @@ def run_training(
     overwrite: bool = False,
     show_progress: bool = True,
     status=lambda message: None,
-    notice=_to_stderr,
+    notice=to_stderr,
+    heads_only: bool = False,
 ) -> TrainResult:
     """Train ``model_dir`` into ``out``. ``status`` gets transient progress ("loading ..."),
-    ``notice`` the lines the user should keep (what a resume changed or skipped)."""
+    ``notice`` the lines the user should keep (what a resume changed or skipped). ``heads_only``
+    saves a delta checkpoint over ``model_dir``'s base (which must be one itself)."""
     from .checkpoint import read_config
 
     out = Path(out).expanduser()
     guard_out(out, model_dir, resume, overwrite)  # before anything is loaded
     config = read_config(model_dir)
+    if heads_only:
+        check_heads_only(config, options, model_dir)
     check_seq_len(config, options.seq_len)
     # Rank 0 speaks for a torchrun job: it holds the lock and says what the run does.
     lock = RunLock(out) if is_main_process() else contextlib.nullcontext()
     notice = notice if is_main_process() else (lambda message: None)
     with lock, Stop() as stop:
         return _train(
-            model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop
+            model_dir,
+            config,
+            data,
+            out,
+            options,
+            eval_data,
+            resume,
+            overwrite,
+            show_progress,
+            status,
+            notice,
+            stop,
+            heads_only,
+        )
+
+
+def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:
+    """A heads-only save stores nothing of the base, so the base must stay exactly as it was."""
+    if options.train == "all":
+        raise DeltafyError("--heads-only cannot save train: all, which changes the base weights; drop --heads-only")
+    if options.train in ("lora", "heads+lora") and options.merge_lora:
+        raise DeltafyError(
+            f"--heads-only cannot save train: {options.train} with the LoRA merged into the base weights; "
+            f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"
+        )
+    if "base" not in config["deltafy"]:
+        raise DeltafyError(
+            f"--heads-only needs a heads-only model to train (its base is what the heads load onto), and "
+            f"{model_dir} is a full checkpoint; convert the original with `deltafy convert --heads-only`"
         )
 
 
@@ -204,7 +162,9 @@ def _finished_result(out: Path, steps: int) -> TrainResult:
     )
 
 
-def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop):
+def _train(
+    model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop, heads_only
+):
     from transformers import TrainingArguments, get_scheduler
 
     from .checkpoint import load, load_tokenizer, save
@@ -313,7 +273,7 @@ def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, 
         train_dataset=_Blocks(train_blocks),
         eval_dataset=_Blocks(eval_blocks),
         optimizers=(optimizer, scheduler),
-        callbacks=[monitor := _monitor(out, steps, tokens_per_step, show_progress, stop)],
+        callbacks=[progress := monitor(out, steps, tokens_per_step, show_progress, stop)],
     )
     from transformers.trainer_callback import PrinterCallback
 
@@ -334,7 +294,7 @@ def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, 
             ) from None
         finally:
             stop.training = False
-            monitor.stop()
+            progress.stop()
     bad = getattr(trainer.state, "deltafy_nonfinite", None)
     if bad is not None:
         last, _ = newest_complete(state_dir)
@@ -363,7 +323,8 @@ def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, 
         status("held-out loss after training")
         # The model as trained (with its LoRA adapters, when it has any): what the run produced.
         result.loss_after = evaluate(trainer.model, eval_blocks, options.batch_size).loss
-        result.mean_beta_per_layer = mean_beta_per_layer(trainer.model, eval_blocks)
+        betas = site_betas(trainer.model, eval_blocks)
+        result.mean_beta_per_layer = per_layer(betas)
         append_metrics(
             out,
             {
@@ -375,9 +336,30 @@ def _train(model_dir, config, data, out, options, eval_data, resume, overwrite, 
             },
         )
         status(f"writing {out}")
+        figures = write_training_figures(out, betas)  # loss.png and beta.png, shown by the card
+        training = {
+            "mode": options.train,
+            "steps": result.steps,
+            "tokens": result.steps * tokens_per_step,
+            "trainable_params": trainable,
+            "data": list(data),
+            "eval_data": list(eval_data or []),
+            "loss_before": before,
+            "loss_after": result.loss_after,
+        }
         try:
             model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
-            save(model, out, tokenizer=tokenizer, provenance=model.config.deltafy.get("provenance"), into=True)
+            provenance = model.config.deltafy.get("provenance")
+            save(
+                model,
+                out,
+                tokenizer=tokenizer,
+                provenance=provenance,
+                into=True,
+                heads_only=heads_only,
+                training=training,
+                figures=figures,
+            )
         except Exception as err:
             last, _ = newest_complete(state_dir)
             if isinstance(err, DeltafyError) and last is not None:

@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +263,11 @@ class _SiteCall:
 
 
 def _layers(model: nn.Module, path: str) -> nn.ModuleList:
+    # The spec's path is the causal LM's ("model.layers"); in the bare model (AutoModel) it starts
+    # below the prefix under which the causal LM holds it ("layers", GPT-2's "h", OPT's "decoder.layers").
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    if path.startswith(prefix) and getattr(model, "base_model", None) is model:
+        path = path[len(prefix) :]
     try:
         layers = model.get_submodule(path)
     except AttributeError as err:
@@ -371,8 +378,147 @@ def mean_betas(model: nn.Module, run) -> dict[str, float]:
     return {name: float(torch.stack(log).mean()) if log else float("nan") for name, log in betas.items()}
 
 
-def deltafy_classes(base_config_class: type, base_model_class: type) -> tuple[type, type]:
-    """Config and model classes of a converted checkpoint, derived from its base family.
+# -- the checkpoint's classes --------------------------------------------------------------------
+# A heads-only (delta) checkpoint stores only the DDL heads, in HEADS_FILE, and names its base model
+# in the config's deltafy section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a
+# folder or a .gguf file, the path relative to the checkpoint folder, the hashes of its weight files).
+HEADS_FILE = "deltafy_heads.safetensors"
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
+
+
+class BaseModelError(OSError):
+    """The base model of a heads-only checkpoint is missing or is not the one it was made from."""
+
+
+def base_weight_files(location: Path) -> list[Path]:
+    """The files whose hashes pin a local base: a .gguf file itself, or a folder's weight files."""
+    if location.is_file():
+        return [location]
+    return sorted(
+        p
+        for p in location.iterdir()
+        if p.is_file() and (p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))
+    )
+
+
+def sha256_files(paths: list[Path]) -> dict[str, str]:
+    hashes = {}
+    for path in paths:
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+        hashes[path.name] = digest.hexdigest()
+    return hashes
+
+
+def _short_error(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | None, str, dict]:
+    """The local base (None on the Hub), what to pass from_pretrained and the kwargs that pin it;
+    a local base is hash-checked."""
+    if "id" in record and override is None:
+        return None, record["id"], {"revision": record["revision"]}
+    given = str(override if override is not None else record["path"])
+    location = Path(given).expanduser()
+    if not location.is_absolute() and override is None and folder is not None:
+        location = folder / location
+    want = record.get("sha256", {})
+    if not location.exists():
+        raise BaseModelError(
+            f"deltafy: the base model of this heads-only checkpoint was not found at {location} (expected "
+            f"{', '.join(want) or record.get('id')}); pass its location as deltafy_base=PATH"
+        )
+    if want:
+        got = sha256_files(base_weight_files(location))
+        for name in sorted(want.keys() | got.keys()):
+            if want.get(name) != got.get(name):
+                found = f"sha256 {got[name][:12]}" if name in got else "missing"
+                expected = f"sha256 {want[name][:12]}" if name in want else "no such file"
+                raise BaseModelError(
+                    f"deltafy: {location} is not the base model this checkpoint was made from: {name} is "
+                    f"{found}, expected {expected}"
+                )
+    location = location.resolve()
+    if location.is_file():  # a .gguf file: transformers dequantizes it
+        return location, str(location.parent), {"gguf_file": location.name}
+    return location, str(location), {}
+
+
+def _load_heads(model: nn.Module, path: str, hub: dict) -> None:
+    """Copy the heads file's tensors into the model's heads: every head present, nothing else."""
+    from safetensors.torch import load_file
+    from transformers.utils import cached_file
+
+    stored = load_file(cached_file(path, HEADS_FILE, **hub))
+    prefix = model.base_model_prefix + "."
+    if getattr(model, "base_model", None) is model:  # the bare model: names lose the causal LM's prefix
+        stored = {k.removeprefix(prefix): v for k, v in stored.items()}
+    heads = {name: tensor for name, tensor in model.state_dict().items() if ".delta." in name}
+    if stored.keys() != heads.keys():
+        odd = sorted(stored.keys() ^ heads.keys())
+        raise BaseModelError(
+            f"deltafy: {HEADS_FILE} does not fit this model: {len(odd)} tensors missing or unexpected (e.g. {odd[0]})"
+        )
+    with torch.no_grad():
+        for name, tensor in heads.items():
+            tensor.copy_(stored[name])
+
+
+def _from_base(cls, stock_class: type, path, config, kwargs: dict):
+    """Load a heads-only checkpoint: the stock base model (transformers' own loading, key renames and
+    all), the surgery, then the heads. Returns what ``from_pretrained`` would."""
+    from transformers import GenerationConfig
+
+    record = config.deltafy["base"]
+    folder = Path(path) if Path(path).is_dir() else None
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    own = {k: kwargs.pop(k) for k in ("revision", "subfolder") if k in kwargs}  # the checkpoint's, not the base's
+    local, location, pin = _base_location(record, folder, kwargs.pop("deltafy_base", None))
+    if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
+        kwargs.pop("torch_dtype", None)
+        kwargs["dtype"] = config.dtype or "auto"  # the dtype the full checkpoint would load in
+    kwargs.pop("trust_remote_code", None)
+    config.model_type = config.deltafy["base_model_type"]  # so transformers applies the family's key renames
+    try:
+        loaded = stock_class.from_pretrained(location, config=config, **pin, **kwargs)
+    except (OSError, ValueError) as err:
+        pinned = f" at revision {pin['revision']}" if pin.get("revision") else ""
+        raise BaseModelError(
+            f"deltafy: could not load the base model {record.get('id') or location}{pinned} that this heads-only "
+            f"checkpoint needs ({_short_error(err)})"
+        ) from err
+    finally:
+        config.__dict__.pop("model_type", None)
+    model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
+    model.config.__dict__.pop("model_type", None)
+    revision = getattr(model.config, "_commit_hash", None)
+    if pin.get("revision") and revision and revision != pin["revision"]:
+        raise BaseModelError(
+            f"deltafy: the base model {location} is at revision {revision}, expected {pin['revision']}"
+        )
+    if "gguf_file" in pin:  # a .gguf base is fully dequantized: nothing of it is quantized any more
+        model.hf_quantizer, model.is_quantized = None, False
+    model.__class__ = cls
+    apply_deltafy(model, model.config.deltafy)
+    if local is not None:  # where it was found, for a heads-only save of this model (kept in memory only)
+        model.config.deltafy = {**model.config.deltafy, "base": {**record, "location": str(local)}}
+    _load_heads(model, str(path), hub | own)
+    model.config._name_or_path = str(path)
+    if model.can_generate():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(path), **hub, **own)
+        except OSError:
+            pass  # none in the checkpoint: keep the base's
+    return (model, info) if info is not None else model
+
+
+def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_class: type) -> tuple[type, type, type]:
+    """Config, causal-LM and bare-model (AutoModel) classes of a converted checkpoint, derived from its
+    base family.
 
     Subclassing keeps every original tensor name, generation, tied weights and device maps
     exactly as transformers implements them for the base family.
@@ -381,14 +527,30 @@ def deltafy_classes(base_config_class: type, base_model_class: type) -> tuple[ty
     class DeltafyConfig(base_config_class):
         model_type = "deltafy"
 
-    class DeltafyForCausalLM(base_model_class):
-        config_class = DeltafyConfig
-
+    def _deltafy_class(stock_class: type, name: str) -> type:
         def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
+            stock_class.__init__(self, config, *args, **kwargs)
             apply_deltafy(self, config.deltafy)
 
-    for cls in (DeltafyConfig, DeltafyForCausalLM):
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+            if not isinstance(config, base_config_class):
+                hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "revision", "subfolder") if k in kwargs}
+                config = DeltafyConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            if "base" not in config.deltafy:  # a full checkpoint: the base family's own loading
+                load = stock_class.from_pretrained.__func__
+                return load(cls, pretrained_model_name_or_path, *args, config=config, **kwargs)
+            return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
+
+        body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}
+        return type(name, (stock_class,), body)
+
+    classes = (
+        DeltafyConfig,
+        _deltafy_class(base_model_class, "DeltafyForCausalLM"),
+        _deltafy_class(bare_model_class, "DeltafyModel"),
+    )
+    for cls in classes:
         cls.__qualname__ = cls.__name__
         cls.__module__ = __name__
-    return DeltafyConfig, DeltafyForCausalLM
+    return classes

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import check_output_dir, save
+from .checkpoint import save
 from .convert import convert, summarize
 from .errors import DeltafyError
+from .folders import check_output_dir
 from .recipe import Recipe, load_recipe
 from .sources import Source, load_source
 from .verify import CheckReport, make_inputs, record_reference, self_check
@@ -79,13 +80,15 @@ def convert_source(
     tolerance: float = 1e-3,
     device: str | None = None,
     status: Callable[[str], None] = lambda message: None,
+    heads_only: bool = False,
 ) -> ConversionResult:
     """Convert ``source`` (Hub id, folder, .gguf or alias) and save it at ``out``.
 
     With ``verify`` the converted model is compared with the original before anything is
     written, in the dtype it was loaded in; a failed check raises and leaves ``out`` untouched.
     ``tolerance`` bounds max |Δlogits| in fp32; in bf16/fp16 the bound is at least the logits' own
-    rounding (verify.logit_tolerance).
+    rounding (verify.logit_tolerance). ``heads_only`` writes only the new heads, with ``source``
+    pinned as the base they load onto.
     """
     out = Path(out).expanduser()
     check_output_dir(out, overwrite)
@@ -121,5 +124,7 @@ def convert_source(
         provenance=loaded.provenance,
         check=check.to_dict() if check else None,
         overwrite=overwrite,
+        heads_only=heads_only,
+        base=source if heads_only else None,
     )
     return ConversionResult(plan=plan_for(model), check=check, out=out, provenance=loaded.provenance)

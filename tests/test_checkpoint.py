@@ -352,11 +352,13 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     core = Path(deltafy.modeling_deltafy.__file__).read_text()
     assert text.startswith(core)
     generated = text[len(core) :]
-    assert "from transformers import Gemma2Config, Gemma2ForCausalLM" in generated
-    assert "DeltafyConfig, DeltafyForCausalLM = deltafy_classes(Gemma2Config, Gemma2ForCausalLM)" in generated
+    assert "from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma2Model" in generated
+    binding = "DeltafyConfig, DeltafyForCausalLM, DeltafyModel = deltafy_classes("
+    assert binding + "Gemma2Config, Gemma2ForCausalLM, Gemma2Model)" in generated
     assert len(generated.strip().splitlines()) <= 5, "the generated tail is a few lines of binding"
-    # The checkpoint carries one Python file, importing torch, transformers and the standard library's
-    # plain modules: no native code, no compiler, no subprocess, no ctypes, nothing written to disk.
+    # The checkpoint carries one Python file, importing torch, transformers (and safetensors and
+    # hashlib, to read and check a heads-only checkpoint's files) and the standard library's plain
+    # modules: no native code, no compiler, no subprocess, no ctypes, nothing written to disk.
     assert sorted(p.name for p in out.glob("*.py")) == [MODELING_FILE]
     imported = set()
     for node in ast.walk(ast.parse(text)):
@@ -365,14 +367,19 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
         elif isinstance(node, ast.ImportFrom):
             assert not node.level, "a relative import would need a second file"
             imported.add(node.module.split(".")[0])
-    assert imported <= {"torch", "transformers", "__future__", "contextlib", "threading", "dataclasses"}, imported
-    for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "open", "os", "CDLL", "cpp_extension"):
+    allowed = {"torch", "transformers", "safetensors", "__future__", "contextlib", "threading", "dataclasses"}
+    assert imported <= allowed | {"hashlib", "pathlib"}, imported
+    for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "os", "CDLL", "cpp_extension", "save_file"):
         assert not re.search(rf"\b{word}\b", text), f"the checkpoint's code uses {word}"
+    opened = re.findall(r"\bopen\(([^)]*)\)", text)
+    assert opened == ['"rb"'], f"the checkpoint's code opens files other than for reading: {opened}"
+    assert not re.search(r"\.write(_text|_bytes)?\(|\bmkdir\(|\bunlink\(", text), "the checkpoint's code writes"
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deltafy"
     assert config["architectures"] == ["DeltafyForCausalLM"]
     assert config["auto_map"] == {
         "AutoConfig": "modeling_deltafy.DeltafyConfig",
+        "AutoModel": "modeling_deltafy.DeltafyModel",
         "AutoModelForCausalLM": "modeling_deltafy.DeltafyForCausalLM",
     }
     assert config["deltafy"]["base_model_type"] == "gemma2"
@@ -434,7 +441,7 @@ def test_model_card_recipe_and_provenance(converted_with_tokenizer):
 
     prov = config["deltafy"]["provenance"]
     assert prov["kind"] == "local"
-    assert prov["source"] == str(src.resolve())
+    assert prov["source"] == src.name  # the folder name, never its place on this machine
     assert prov["config_sha256"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
     assert prov["versions"] == {
         "deltafy": deltafy.__version__,

@@ -394,7 +394,7 @@ def test_train_flags_reach_the_options(monkeypatch, tmp_path):
 
     def fake_run_training(model_dir, data, out, options, **kwargs):
         seen.update(data=data, options=options)
-        return SimpleNamespace(loss_after=float("nan"))  # NaN: "not the evaluating process", prints nothing
+        return SimpleNamespace(loss_after=float("nan"), already_finished=False)  # NaN: prints nothing
 
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setattr(deltafy.engine, "run_training", fake_run_training)

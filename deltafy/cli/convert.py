@@ -58,6 +58,14 @@ def convert_command(
     device: Annotated[
         str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.", show_default="cpu")
     ] = None,
+    heads_only: Annotated[
+        bool,
+        typer.Option(
+            "--heads-only",
+            help="Write only the new heads; loading the folder fetches the source (pinned) and applies them.",
+            show_default=OFF,
+        ),
+    ] = False,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
 
@@ -67,6 +75,7 @@ def convert_command(
       deltafy convert ./my-local-llama --out ./llama-delta --recipe ddl-learned
       deltafy convert gpt2 --out ./gpt2-delta --dtype float32
       deltafy convert ./model.gguf --dry-run
+      deltafy convert HuggingFaceTB/SmolLM2-135M --out ./smol-delta --heads-only
     """
     check_number("--tolerance", tolerance, minimum=0.0)
     if dry_run:
@@ -86,6 +95,7 @@ def convert_command(
             tolerance=tolerance,
             device=device,
             status=status,
+            heads_only=heads_only,
         )
     _print_plan(result.plan)
     if result.check is not None:

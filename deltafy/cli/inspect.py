@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +14,10 @@ from ..checkpoint import load, load_tokenizer
 from ..modeling_deltafy import mean_betas
 from ..verify import make_inputs
 from ._console import console
+from ._options import OFF
+
+# Enough text for a stable mean without a long wait on CPU: at most 8 blocks of 256 tokens.
+MAX_BLOCKS, MAX_SEQ_LEN, BATCH = 8, 256, 4
 
 
 @torch.no_grad()
@@ -20,18 +26,108 @@ def _mean_betas(model, tokenizer) -> dict[str, float]:
     return mean_betas(model, lambda: model(input_ids=ids, attention_mask=mask))
 
 
+@torch.no_grad()
+def _mean_betas_on_text(model, tokenizer, data: list[str], text_field: str) -> tuple[dict[str, float], int]:
+    from ..data import pack, token_stream
+    from ..errors import DeltafyError
+    from ..evaluate import model_positions
+
+    if tokenizer is None:
+        raise DeltafyError(
+            "the checkpoint has no tokenizer to read --data with; leave --data out to measure on random token ids"
+        )
+    stream = token_stream(data, tokenizer, text_field)
+    seq_len = min(MAX_SEQ_LEN, model_positions(model.config) or MAX_SEQ_LEN, stream.numel())
+    blocks = pack(stream, seq_len)[:MAX_BLOCKS]
+
+    def run():
+        for start in range(0, len(blocks), BATCH):
+            model(input_ids=blocks[start : start + BATCH])
+
+    return mean_betas(model, run), blocks.numel()
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
+
+
 def inspect_command(
     model_dir: Annotated[Path, typer.Argument(help="A deltafy checkpoint folder.")],
+    data: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--data",
+            "-d",
+            help="Text to measure β on (files, folders, globs, datasets).",
+            show_default="built-in prompts",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot", help="Draw mean β per layer and site into this .png (or .svg, .pdf).", show_default="no picture"
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the --plot file if it exists.", show_default=OFF)
+    ] = False,
+    text_field: Annotated[str, typer.Option("--text-field", help="JSONL/dataset text field.")] = "text",
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
+    ] = False,
 ) -> None:
-    """Show a deltafy checkpoint: recipe, sites, and the mean gate β per layer on a few prompts.
+    """Show a deltafy checkpoint: recipe, sites, and the mean gate β per layer on a few prompts or on --data.
 
-    [bold]Example[/]
+    [bold]Examples[/]
 
       deltafy inspect ./smol-delta
+      deltafy inspect ./smol-trained --data heldout.txt --plot beta.png
+      deltafy inspect ./smol-trained --json
     """
+    from ..data import expand
+    from ..errors import DeltafyError
+    from ..plots import check_format, plot_betas
+
+    # Everything the user can get wrong is refused before the model loads.
+    if plot is not None:
+        check_format(plot)
+        if plot.exists() and not overwrite:
+            raise DeltafyError(f"{plot} already exists; choose another --plot file, or pass --overwrite")
+        if plot.is_dir():
+            raise DeltafyError(f"{plot} is a folder; --plot takes a file name such as beta.png")
+    if data:
+        expand(data)
     model = load(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
+    if data:
+        betas, tokens = _mean_betas_on_text(model, tokenizer, list(data), text_field)
+    else:
+        betas, tokens = _mean_betas(model, tokenizer), None
+    sites = [s["name"] for s in spec["sites"]]
+    layers = len(model.get_submodule(spec["layers"]))
+    per_layer = [
+        {site: betas.get(f"{spec['layers']}.{i}.delta.{site}", float("nan")) for site in sites} for i in range(layers)
+    ]
+    name = model_dir.expanduser().resolve().name
+    if plot is not None:
+        plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, title=name)
+    if json_out:
+        record = {
+            "model": str(model_dir),
+            "base_model_type": spec["base_model_type"],
+            "base_architecture": spec["base_architecture"],
+            "layout": spec["layout"],
+            "recipe": spec["recipe"]["name"],
+            "direction": spec["direction"],
+            "sites": sites,
+            "measured_on": {"data": list(data), "tokens": tokens} if data else "built-in prompts",
+            "layers": [
+                {"layer": i, "beta": {site: _number(v) for site, v in row.items()}} for i, row in enumerate(per_layer)
+            ],
+        }
+        print(json.dumps(record))
+        return
     # The path is the user's and the recipe name a YAML file's: text, not markup.
     console.print(
         f"[bold]{escape(str(model_dir))}[/]: "
@@ -40,10 +136,11 @@ def inspect_command(
             f"recipe {spec['recipe']['name']}, direction {spec['direction']}"
         )
     )
-    betas = _mean_betas(model, tokenizer)
-    table = Table("layer", *[escape(f"β {s['name']}") for s in spec["sites"]], box=None)
-    layers = model.get_submodule(spec["layers"])
-    for i in range(len(layers)):
-        prefix = f"{spec['layers']}.{i}.delta."
-        table.add_row(str(i), *[f"{betas.get(prefix + s['name'], float('nan')):.3g}" for s in spec["sites"]])
+    if data:
+        console.print(escape(f"mean β on {tokens:,} tokens of {', '.join(data)}"))
+    table = Table("layer", *[escape(f"β {s}") for s in sites], box=None)
+    for i, row in enumerate(per_layer):
+        table.add_row(str(i), *[f"{row[s]:.3g}" for s in sites])
     console.print(table)
+    if plot is not None:
+        console.print(f"wrote {escape(str(plot))}")

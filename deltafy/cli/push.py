@@ -2,16 +2,111 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
+from rich.markup import escape
+from rich.table import Table
+
+from ..hub import PushResult, push
+from ._console import console
+from ._options import OFF
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _left_out(paths: list[str]) -> str:
+    """``training/ (41 files), .deltafy-lock``: a run's checkpoints are many files, one folder."""
+    groups: dict[str, int] = {}
+    for path in paths:
+        top, sep, _ = path.partition("/")
+        groups[top + sep] = groups.get(top + sep, 0) + 1
+    return ", ".join(name if not name.endswith("/") else f"{name} ({n} files)" for name, n in groups.items())
+
+
+def _print_plan(result: PushResult) -> None:
+    where = escape(result.repo) + (f" (branch {escape(result.revision)})" if result.revision else "")
+    kind = "heads-only delta" if result.heads_only else "full checkpoint"
+    console.print(f"[bold]{where}[/] · {'private' if result.private else 'public'} · {kind}")
+    table = Table("file", "size", box=None)
+    for path, size in result.files:
+        table.add_row(escape(path), _size(size))
+    console.print(table)
+    console.print(f"{len(result.files)} files, {_size(result.total_bytes)}")
+    if result.ignored:
+        console.print(f"[dim]left out: {escape(_left_out(result.ignored))}[/]")
+    console.print(f"commit message: {escape(result.commit_message)}")
+    console.print("card front matter:")
+    console.print(escape(yaml.safe_dump(result.front_matter, sort_keys=False, allow_unicode=True).rstrip()))
 
 
 def push_command(
-    folder: Annotated[str, typer.Argument(help="A deltafy checkpoint folder.")],
-    repo: Annotated[str, typer.Option("--repo", help="Hub repository, OWNER/NAME.")],
+    folder: Annotated[Path, typer.Argument(help="A deltafy checkpoint folder (from convert or train).")],
+    repo: Annotated[str, typer.Option("--repo", help="Hub model repository, OWNER/NAME; created if missing.")],
+    private: Annotated[
+        bool,
+        typer.Option(
+            "--private", help="Create the repository private (an existing one keeps its own).", show_default=OFF
+        ),
+    ] = False,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Branch to push to; created from main if new.", show_default="main")
+    ] = None,
+    message: Annotated[
+        str | None,
+        typer.Option("--message", "-m", help="Commit message.", show_default="deltafy's version, base model, recipe"),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", help="Hub token with write access.", show_default="HF_TOKEN, else the `hf auth login` token"
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Show the files and the card front matter; contact nothing.", show_default=OFF),
+    ] = False,
+    include_training: Annotated[
+        bool,
+        typer.Option(
+            "--include-training", help="Upload the training state too (training/, optimizer files).", show_default=OFF
+        ),
+    ] = False,
 ) -> None:
-    """Upload a deltafy checkpoint to the Hugging Face Hub (not implemented yet)."""
-    from ..errors import DeltafyError
+    """Upload a deltafy checkpoint to the Hugging Face Hub, card and code included.
 
-    raise DeltafyError("deltafy push is not implemented yet")
+    Training state (training/, optimizer files) stays behind unless --include-training. The token is never shown.
+
+    [bold]Examples[/]
+
+      deltafy push ./smol-trained --repo me/smol-ddl --private --dry-run
+      deltafy push ./smol-trained --repo me/smol-ddl --private
+      deltafy push ./smol-delta --repo me/smol-ddl --revision heads-only --message "heads only"
+    """
+    options = dict(private=private, revision=revision, message=message, token=token, include_training=include_training)
+    if dry_run:
+        _print_plan(push(folder, repo, dry_run=True, **options))
+        console.print("[dim]dry run: nothing was uploaded[/]")
+        return
+
+    # No spinner: on a terminal huggingface_hub draws its own upload progress on stderr, which stays
+    # for that and for the one line of an error.
+    def starting(plan: PushResult) -> None:
+        console.print(f"uploading {len(plan.files)} files ({_size(plan.total_bytes)}) to {escape(repo)} …")
+
+    result = push(folder, repo, before_upload=starting, **options)
+    console.print(
+        f"pushed {len(result.files)} files ({_size(result.total_bytes)}) to [bold]{escape(result.repo_url or repo)}[/]"
+        + (f" (branch {escape(result.revision)})" if result.revision else "")
+        + (" · private" if result.private else "")
+    )
+    if result.commit_url:
+        console.print(f"commit: {escape(result.commit_url)}")

@@ -51,6 +51,14 @@ def train_command(
         bool, typer.Option("--resume", help="Continue the run saved in --out.", show_default=OFF)
     ] = False,
     overwrite: OverwriteOpt = False,
+    heads_only: Annotated[
+        bool,
+        typer.Option(
+            "--heads-only",
+            help="Save only the heads (and the kept LoRA adapter) over the input's base model.",
+            show_default=OFF,
+        ),
+    ] = False,
     **flags,
 ) -> None:
     """Train the DDL heads of a converted model (optionally with LoRA) and save the result.
@@ -82,6 +90,7 @@ def train_command(
             eval_data=eval_data,
             resume=resume,
             overwrite=overwrite,
+            heads_only=heads_only,
             status=status,
             # through the console that draws the spinner, so the line lands above it; paths verbatim
             notice=lambda message: err_console.print(message, markup=False, highlight=False, soft_wrap=True),

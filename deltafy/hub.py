@@ -1,0 +1,318 @@
+"""Publishing a checkpoint folder on the Hugging Face Hub, through huggingface_hub as its own CLI does.
+
+What goes up is decided here, before any request (so ``dry_run`` shows exactly that): the folder
+must be a complete deltafy checkpoint, a running job's lock never goes, and the training state
+(resumable Trainer checkpoints with optimizer moments, several times the model's size) only on
+request. ``metrics.jsonl`` does go: a few KB of loss numbers behind the card's figures.
+
+The token is huggingface_hub's to find (``token=``, ``HF_TOKEN``, the cached login); deltafy only
+passes it on, and scrubs it from any error text it shows.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import MODELING_FILE, read_config
+from .errors import DeltafyError
+from .modeling_deltafy import HEADS_FILE  # the weights of a heads-only (delta) folder
+
+LOCK_PATTERNS = [".deltafy-lock", "*/.deltafy-lock", "*.lock"]
+TRAINING_PATTERNS = ["training", "training/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]
+_SCANNED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # binary: not searched for the token
+
+
+@dataclass
+class PushResult:
+    """What was (or, for a dry run, would be) uploaded. Never holds the token."""
+
+    repo: str
+    files: list[tuple[str, int]]  # path in the repo, size in bytes
+    front_matter: dict
+    commit_message: str
+    private: bool
+    revision: str | None
+    heads_only: bool
+    dry_run: bool
+    repo_url: str | None = None
+    commit_url: str | None = None
+    ignored: list[str] = field(default_factory=list)  # files of the folder left out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def push(
+    folder: str | Path,
+    repo: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    message: str | None = None,
+    token: str | None = None,
+    dry_run: bool = False,
+    include_training: bool = False,
+    before_upload: Callable[[PushResult], None] | None = None,
+) -> PushResult:
+    """Upload the deltafy checkpoint ``folder`` to the Hub model repo ``repo`` (created if missing).
+
+    ``revision`` names a branch, created from ``main`` when new. ``dry_run`` checks the folder and
+    returns what would be uploaded without a single request. ``before_upload`` is called with that
+    plan once the folder, the Hub's reachability and the token are checked, before the first request.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        raise DeltafyError(f"--repo {repo!r} is not a Hub repository id; use OWNER/NAME, e.g. me/smol-ddl") from err
+    folder = Path(folder).expanduser()
+    config, heads_only = check_checkpoint(folder)
+    front_matter = _front_matter(folder)
+    ignore = LOCK_PATTERNS + ([] if include_training else TRAINING_PATTERNS)
+    files, ignored = upload_plan(folder, ignore)
+    result = PushResult(
+        repo=repo,
+        files=files,
+        front_matter=front_matter,
+        commit_message=message or default_commit_message(config, front_matter, heads_only),
+        private=private,
+        revision=revision,
+        heads_only=heads_only,
+        dry_run=dry_run,
+        ignored=ignored,
+    )
+    if dry_run:
+        return result
+    _upload(folder, result, ignore, token, before_upload)
+    return result
+
+
+# -- what a complete checkpoint is ---------------------------------------------------------------
+
+
+def check_checkpoint(folder: Path) -> tuple[dict, bool]:
+    """The folder's config and whether it is heads-only; a DeltafyError naming what is missing."""
+    if not folder.is_dir():
+        raise DeltafyError(f"{folder} is not a folder; pass the folder `deltafy convert` or `deltafy train` wrote")
+    partial = _is_partial(folder.name) or any(_is_partial(p.name) for p in folder.iterdir())
+    if partial:
+        raise DeltafyError(
+            f"{folder} is a partial save (a .deltafy-partial-* folder, left by an interrupted or running "
+            f"deltafy): push the finished checkpoint folder instead"
+        )
+    config = read_config(folder)  # no or unparsable config.json, no deltafy section: one line each
+    if not (folder / MODELING_FILE).is_file():
+        raise DeltafyError(f"{folder} is incomplete: no {MODELING_FILE}; convert or save it again with deltafy")
+    full = _has_full_weights(folder)
+    heads_only = not full and (folder / HEADS_FILE).is_file()
+    if heads_only:
+        if not config["deltafy"].get("base"):
+            raise DeltafyError(
+                f"{folder} holds only {HEADS_FILE} but its config.json names no base model; save it again "
+                f"with deltafy (--heads-only)"
+            )
+        if "id" not in config["deltafy"]["base"]:
+            raise DeltafyError(
+                f"{folder} is a heads-only checkpoint of the local base {config['deltafy']['base'].get('path')}, "
+                f"which nobody who downloads it can load: convert from a Hub model id with --heads-only, or push "
+                f"a full copy (convert or train without --heads-only)"
+            )
+        _check_safetensors(folder / HEADS_FILE)
+    elif not full:
+        raise DeltafyError(
+            f"{folder} is incomplete: no weights (model.safetensors, a sharded model.safetensors.index.json, "
+            f"or {HEADS_FILE}); convert or save it again with deltafy"
+        )
+    if not (folder / "README.md").is_file():
+        raise DeltafyError(f"{folder} is incomplete: no README.md (its model card); save it again with deltafy")
+    return config, heads_only
+
+
+def _is_partial(name: str) -> bool:
+    return name.startswith(".") and ".deltafy-partial-" in name
+
+
+def _has_full_weights(folder: Path) -> bool:
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        _check_safetensors(single)
+        return True
+    if not index.is_file():
+        return False
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DeltafyError(f"{index} does not parse ({err}); save the checkpoint again with deltafy") from err
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise DeltafyError(f"{folder} is incomplete: shard {shard}, listed in {index.name}, is missing")
+        _check_safetensors(folder / shard)
+    return True
+
+
+def _check_safetensors(path: Path) -> None:
+    """Refuse a truncated weights file: its header says how many bytes of tensors follow."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length)) if 8 + length <= size else None
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        header = None
+    if header is None or 8 + length + end != size:
+        raise DeltafyError(f"{path} is truncated or not a safetensors file; save the checkpoint again with deltafy")
+
+
+def _front_matter(folder: Path) -> dict:
+    from huggingface_hub import ModelCard
+
+    try:
+        return ModelCard.load(folder / "README.md").data.to_dict()
+    except Exception as err:  # a YAML error, or front matter that is not a mapping
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DeltafyError(f"the model card {folder / 'README.md'} does not parse: {first}") from err
+
+
+def upload_plan(folder: Path, ignore: list[str]) -> tuple[list[tuple[str, int]], list[str]]:
+    """The files upload_folder would send (same listing and filter as huggingface_hub's), and those left out."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    every = {p.relative_to(folder).as_posix(): p for p in sorted(folder.glob("**/*")) if p.is_file()}
+    kept = set(filter_repo_objects(every, ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS))
+    files = [(rel, every[rel].stat().st_size) for rel in every if rel in kept]
+    return files, [rel for rel in every if rel not in kept]
+
+
+def _base_name(config: dict, front_matter: dict) -> str:
+    """The base model as people know it: a Hub id, or a file name (never a local path)."""
+    spec = config["deltafy"]
+    base = front_matter.get("base_model")
+    if isinstance(base, list):
+        base = base[0] if base else None
+    if base:
+        return str(base)
+    entry = spec.get("base")
+    if isinstance(entry, dict):
+        if entry.get("id") or entry.get("alias"):  # a Hub id, or a bundled alias's name
+            return str(entry.get("id") or entry["alias"])
+        entry = entry.get("path")  # relative to the folder: its name is what says something
+    provenance = spec.get("provenance", {})
+    if not entry and provenance.get("kind") == "hub":
+        return str(provenance["source"])
+    entry = entry or provenance.get("alias") or provenance.get("source")
+    return Path(str(entry)).name if entry else spec.get("base_model_type", "a base model")
+
+
+def default_commit_message(config: dict, front_matter: dict, heads_only: bool) -> str:
+    from . import __version__
+
+    recipe = config["deltafy"].get("recipe", {}).get("name", "unknown")
+    what = "Deep Delta Learning heads for" if heads_only else "Deep Delta Learning model from"
+    return f"{what} {_base_name(config, front_matter)} (recipe {recipe}, deltafy {__version__})"
+
+
+# -- the upload ------------------------------------------------------------------------------------
+
+
+def _upload(folder: Path, result: PushResult, ignore: list[str], token: str | None, before_upload) -> None:
+    import httpx2
+    from huggingface_hub import HfApi, constants, get_token
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    if constants.is_offline_mode():
+        raise DeltafyError(_OFFLINE)
+    secret = token or get_token()
+    if not secret:
+        raise DeltafyError(_NOT_LOGGED_IN)
+    _refuse_token_in_files(folder, result.files, secret)
+    if before_upload is not None:
+        before_upload(result)
+    api = HfApi(token=token)  # None: huggingface_hub finds the same token again itself
+    # private=None, as `hf upload` does: a new repo then follows its namespace's default visibility.
+    try:
+        repo_url = api.create_repo(result.repo, repo_type="model", exist_ok=True, private=result.private or None)
+        repo_id = repo_url.repo_id
+        if result.revision and result.revision != constants.DEFAULT_REVISION:
+            api.create_branch(repo_id, branch=result.revision, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            repo_type="model",
+            revision=result.revision,
+            commit_message=result.commit_message,
+            ignore_patterns=list(ignore),
+        )
+    except OfflineModeIsEnabled as err:  # set after the check above
+        raise DeltafyError(_OFFLINE) from err
+    except LocalTokenNotFoundError as err:
+        raise DeltafyError(_NOT_LOGGED_IN) from err
+    except HfHubHTTPError as err:
+        raise DeltafyError(_scrub(_http_message(err, result.repo), secret)) from err
+    except httpx2.TransportError as err:
+        raise DeltafyError(
+            _scrub(
+                f"could not reach the Hub at {constants.ENDPOINT} ({type(err).__name__}: {_first_line(err)}); check "
+                f"the network (or HF_ENDPOINT) and run the command again, or pass --dry-run to see what would go up",
+                secret,
+            )
+        ) from None  # not even --debug shows the unscrubbed text
+
+    except ValueError as err:  # the Hub's YAML check of the card, or a revision it cannot commit to
+        raise DeltafyError(_scrub(f"the Hub refused the upload: {_first_line(err)}", secret)) from None
+    result.repo_url = str(repo_url)
+    result.commit_url = getattr(commit, "commit_url", None) or str(commit)
+
+
+_NOT_LOGGED_IN = (
+    "not logged in to the Hugging Face Hub: run `hf auth login`, set HF_TOKEN, or pass --token (a token with "
+    "write access)"
+)
+_OFFLINE = (
+    "the Hub is unreachable (HF_HUB_OFFLINE is set): unset HF_HUB_OFFLINE to push, or pass --dry-run "
+    "to see what would be uploaded"
+)
+
+
+def _http_message(err, repo: str) -> str:
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if status == 401:
+        return (
+            f"the Hub refused the token (401) while pushing to {repo}: log in again with `hf auth login`, set "
+            f"HF_TOKEN, or pass --token with a valid token that has write access"
+        )
+    if status == 403:
+        return (
+            f"the token may not write to {repo} (403): use a token with write access to "
+            f"{repo.split('/')[0]}, or push to a repository you own"
+        )
+    if status == 404:
+        return f"the Hub found no repository {repo} you can write to (404): check --repo and that your token can see it"
+    server = getattr(err, "server_message", None) or _first_line(err)
+    return f"the Hub answered {status or 'an error'} while pushing to {repo}: {_first_line(server)}"
+
+
+def _first_line(err) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _scrub(text: str, secret: str) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def _refuse_token_in_files(folder: Path, files: list[tuple[str, int]], secret: str) -> None:
+    """A token written into a card, config or metrics file must never be published."""
+    needle = secret.encode()
+    for rel, size in files:
+        if rel.endswith(_SCANNED_SUFFIXES) or size > 16 * 2**20:
+            continue
+        if needle in (folder / rel).read_bytes():
+            raise DeltafyError(f"{folder / rel} contains your Hub token; remove it from the file before pushing")

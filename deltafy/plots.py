@@ -1,0 +1,170 @@
+"""Figures a checkpoint's card shows: mean gate β per layer and site, and the loss curves of a run.
+
+matplotlib is imported only when a figure is drawn, and only its object-oriented API is used (no
+pyplot): no GUI backend is touched and no global figure state is left behind in a library call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import DeltafyError
+
+log = logging.getLogger(__name__)
+
+FIGURE_SIZE = (8.0, 4.5)  # inches; at DPI a 960×540 image, readable on a model page
+DPI = 120
+FORMATS = (".png", ".svg", ".pdf")
+LOSS_FIGURE, BETA_FIGURE = "loss.png", "beta.png"
+
+
+def betas_by_site(betas: Mapping) -> dict[str, list[float]]:
+    """Per-site lists of mean β indexed by layer, from ``mean_betas``' qualified names
+    (``model.layers.3.delta.attn``) or already as ``{site: [β per layer]}``."""
+    if all(isinstance(v, list | tuple) for v in betas.values()):
+        return {str(site): [float(x) for x in values] for site, values in betas.items()}
+    by_site: dict[str, dict[int, float]] = {}
+    for name, value in betas.items():
+        prefix, _, site = str(name).rpartition(".delta.")
+        try:
+            layer = int(prefix.rsplit(".", 1)[-1])
+        except ValueError:
+            raise DeltafyError(f"cannot tell the layer of the DDL site {name!r}") from None
+        by_site.setdefault(site, {})[layer] = float(value)
+    layers = max((max(v) for v in by_site.values()), default=-1) + 1
+    return {site: [v.get(i, math.nan) for i in range(layers)] for site, v in by_site.items()}
+
+
+def _figure():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise DeltafyError("drawing figures needs matplotlib: pip install matplotlib") from err
+    return Figure(figsize=FIGURE_SIZE, dpi=DPI, layout="constrained")
+
+
+def check_format(path: Path) -> None:
+    if path.suffix.lower() not in FORMATS:
+        raise DeltafyError(f"{path}: a figure is saved as {', '.join(FORMATS)}; name the file with one of them")
+
+
+def _save(fig, path: Path) -> Path:
+    """Write the figure beside its final name, then rename: an interrupted save leaves no half image."""
+    path = Path(path)
+    check_format(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=DPI)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise DeltafyError(f"could not write {path}: {err.strerror or err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def plot_betas(betas: Mapping, path: str | Path, title: str = "") -> Path:
+    """Mean gate β per layer, one line per site, on a log scale (β spans 1e-8 at init to ~1 and up to 2)."""
+    by_site = betas_by_site(betas)
+    if not by_site:
+        raise DeltafyError("the model has no DDL sites to draw")
+    fig = _figure()
+    ax = fig.add_subplot()
+    positive = [x for values in by_site.values() for x in values if math.isfinite(x) and x > 0]
+    for site, values in by_site.items():
+        shown = [x if math.isfinite(x) and (x > 0 or not positive) else math.nan for x in values]
+        ax.plot(range(len(values)), shown, marker="o", markersize=4, linewidth=1.5, label=site)
+    if positive:
+        ax.set_yscale("log")
+    layers = max(len(v) for v in by_site.values())
+    ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean β" + (" (log scale)" if positive else ""))
+    ax.set_title(f"Mean gate β per layer · {title}" if title else "Mean gate β per layer")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(title="site")
+    return _save(fig, Path(path))
+
+
+def read_metrics(metrics_file: str | Path) -> list[dict]:
+    records = []
+    try:
+        lines = Path(metrics_file).read_text().splitlines()
+    except OSError as err:
+        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run: the others still draw
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def plot_training(metrics_file: str | Path, path: str | Path, title: str = "") -> Path:
+    """Training loss per logged step and held-out loss at each evaluation (from a run's metrics.jsonl),
+    with the held-out loss before training at step 0 and after it at the last step."""
+    records = read_metrics(metrics_file)
+    train = [(r["step"], r["loss"]) for r in records if r.get("event") != "summary" and "loss" in r and "step" in r]
+    held = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and "step" in r]
+    summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
+    last = max([s for s, _ in train + held] + [summary.get("steps") or 0])
+    if isinstance(summary.get("loss_before"), int | float):
+        held.insert(0, (0, summary["loss_before"]))
+    if isinstance(summary.get("loss_after"), int | float):
+        held = [(s, x) for s, x in held if s != last] + [(last, summary["loss_after"])]  # the final word at the end
+    if not train and not held:
+        raise DeltafyError(f"{metrics_file} holds no losses to draw")
+    fig = _figure()
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), linewidth=1.2, alpha=0.85, label="training loss")
+    if held:
+        ax.plot(*zip(*sorted(held), strict=True), marker="o", linewidth=1.8, label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(f"Loss · {title}" if title else "Loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, Path(path))
+
+
+def write_training_figures(out: str | Path, betas: Mapping | None = None) -> list[str]:
+    """Draw a finished run's figures into its folder ``out``: ``loss.png`` from its metrics.jsonl and
+    ``beta.png`` from ``betas`` (``mean_betas``' per-site numbers) or else the summary's mean β per
+    layer. Returns the file names written, for the card. A figure that cannot be drawn is skipped
+    with a warning: it must never cost a trained model."""
+    from .train import METRICS_FILE
+
+    out = Path(out)
+    title = out.resolve().name
+    written = []
+    try:
+        records = read_metrics(out / METRICS_FILE)
+    except DeltafyError as err:
+        log.warning("no loss figure: %s", err)
+        records = []
+    if records:
+        try:
+            plot_training(out / METRICS_FILE, out / LOSS_FIGURE, title)
+            written.append(LOSS_FIGURE)
+        except DeltafyError as err:
+            log.warning("no loss figure: %s", err)
+    if betas is None:
+        summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
+        per_layer = summary.get("mean_beta_per_layer")
+        betas = {"all sites": per_layer} if per_layer else None
+    if betas:
+        try:
+            plot_betas(betas, out / BETA_FIGURE, title)
+            written.append(BETA_FIGURE)
+        except DeltafyError as err:
+            log.warning("no β figure: %s", err)
+    return written

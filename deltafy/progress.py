@@ -1,0 +1,88 @@
+"""What a training run shows and records as it goes: one JSON line per step in metrics.jsonl, a rich
+progress bar on a terminal or a plain line every tenth of the run elsewhere, and the stop on a
+non-finite loss or a signal (at a step boundary, so the step is saved whole)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from .runs import Stop
+from .train import append_metrics
+
+
+def to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool, stop: Stop):
+    from transformers import TrainerCallback
+
+    class Monitor(TrainerCallback):
+        """Metrics as JSON lines; progress as a rich bar on a terminal, else a plain line every
+        tenth of the run (a log file or CI would otherwise show nothing until the end); a stop on
+        a non-finite loss or a signal."""
+
+        def __init__(self):
+            self.progress = None
+            self.started = None
+            self.every = max(1, total_steps // 10)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+            self.first_step = state.global_step
+            if show_progress and state.is_world_process_zero and sys.stderr.isatty():
+                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+                self.progress = Progress(
+                    TextColumn("[bold]train[/]"),
+                    BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[info]}"),
+                    TimeRemainingColumn(),
+                    transient=False,
+                )
+                self.task = self.progress.add_task("train", total=total_steps, completed=state.global_step, info="")
+                self.progress.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop.requested():  # at a step boundary: save this step, then leave the loop
+                control.should_save = True
+                control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = dict(logs or {})
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(loss):
+                control.should_training_stop = True
+                control.should_save = False
+                state.deltafy_nonfinite = state.global_step
+                return
+            elapsed = time.perf_counter() - self.started
+            done = max(state.global_step - self.first_step, 1)
+            logs |= {"step": state.global_step, "tokens_per_second": done * tokens_per_step / elapsed}
+            if not state.is_world_process_zero:
+                return
+            append_metrics(out, logs)
+            if loss is None:
+                if self.progress is not None:
+                    self.progress.update(self.task, completed=state.global_step)
+                return
+            speed, lr = logs["tokens_per_second"], logs.get("learning_rate", 0.0)
+            info = f"loss {loss:.4f} · {speed:.0f} tok/s · lr {lr:.2e}"
+            if self.progress is not None:
+                self.progress.update(self.task, completed=state.global_step, info=info)
+            elif show_progress and (state.global_step % self.every == 0 or state.global_step == total_steps):
+                to_stderr(f"train: step {state.global_step}/{total_steps} · {info}")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.stop()
+
+        def stop(self):
+            if self.progress is not None:
+                self.progress.stop()
+                self.progress = None
+
+    return Monitor()

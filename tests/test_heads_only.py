@@ -1,0 +1,222 @@
+"""Heads-only (delta) checkpoints, and the bare model (AutoModel) of every checkpoint.
+
+A heads-only folder holds the DDL heads alone and names its base; loaded with plain transformers
+(in a subprocess where deltafy cannot be imported) or with deltafy.load, it must give exactly the
+logits of the full checkpoint of the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _train_helpers import read_tensors, run_cli
+from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free, tiny_model
+from safetensors import safe_open
+from test_checkpoint import fixed_ids, randomize_heads
+from test_cli import assert_one_line_error
+
+import deltafy
+from deltafy.checkpoint import HEADS_FILE
+from deltafy.modeling_deltafy import delta_sites
+
+CASES = [
+    ("llama-untied", "ddl-scalar"),
+    ("gpt2", "ddl-learned"),
+    ("opt-post-ln", "ddl-scalar"),
+]
+
+CHILD = (
+    DELTAFY_FREE_PREAMBLE
+    + r"""
+import json, traceback
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+jobs, result_file = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for job in jobs:
+    try:
+        ids = torch.tensor(job["ids"])
+        lm = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=True).eval()
+        bare = AutoModel.from_pretrained(job["path"], trust_remote_code=True).eval()
+        with torch.no_grad():
+            out = lm(input_ids=ids, output_hidden_states=True)
+            hidden = bare(input_ids=ids).last_hidden_state
+        fired = []
+        for name, module in bare.named_modules():
+            if type(module).__name__ == "DeltaSite":
+                module.register_forward_hook(lambda m, a, o, name=name: fired.append(name))
+        with torch.no_grad():
+            bare(input_ids=ids)
+        results[job["key"]] = {
+            "logits": out.logits, "lm_hidden": out.hidden_states[-1], "bare_hidden": hidden,
+            "lm_class": type(lm).__name__, "bare_class": type(bare).__name__,
+            "bare_base": type(bare).__mro__[1].__name__, "fired": sorted(set(fired)),
+        }
+    except Exception:
+        results[job["key"]] = {"error": traceback.format_exc()}
+loaded = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "deltafy" and mod is not None)
+torch.save({"results": results, "deltafy_modules": loaded}, result_file)
+"""
+)
+
+
+def converted_from_folder(root: Path, case: str, recipe: str, seed: int = 0):
+    """A stock folder of ``case``, and the model loaded from it, converted, with heads that matter."""
+    from transformers import AutoModelForCausalLM
+
+    stock = root / f"stock-{case}"
+    tiny_model(case, seed=seed).save_pretrained(stock)
+    model = deltafy.convert(AutoModelForCausalLM.from_pretrained(stock).eval(), recipe)
+    randomize_heads(model, seed=seed)
+    return stock, model
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Full and heads-only checkpoints of the same models, reloaded in one deltafy-free child."""
+    root = tmp_path_factory.mktemp("heads-only")
+    entries, jobs = {}, []
+    for case, recipe in CASES:
+        stock, model = converted_from_folder(root, case, recipe)
+        full = deltafy.save(model, root / f"full-{case}")
+        heads = deltafy.save(model, root / f"heads-{case}", heads_only=True)
+        ids = fixed_ids(model)
+        entries[case] = dict(stock=stock, model=model, full=full, heads=heads, ids=ids)
+        for kind, path in (("full", full), ("heads", heads)):
+            jobs.append(dict(key=f"{kind}-{case}", path=str(path), ids=ids.tolist()))
+    return entries, run_deltafy_free(CHILD, [json.dumps(jobs)], root)["results"]
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_heads_only_folder_holds_only_the_heads_and_pins_its_base(pairs, case):
+    entry = pairs[0][case]
+    heads, model = entry["heads"], entry["model"]
+    assert not list(heads.glob("model*.safetensors"))
+    with safe_open(str(heads / HEADS_FILE), framework="pt") as fh:
+        stored = set(fh.keys())
+    expected = {k for k in model.state_dict() if ".delta." in k}
+    assert stored == expected and stored
+    assert (heads / "modeling_deltafy.py").is_file() and (heads / "recipe.yaml").is_file()
+    base = json.loads((heads / "config.json").read_text())["deltafy"]["base"]
+    assert base["path"] == f"../{entry['stock'].name}"  # relative: no place on this machine is written down
+    digest = hashlib.sha256((entry["stock"] / "model.safetensors").read_bytes()).hexdigest()
+    assert base["sha256"] == {"model.safetensors": digest}
+    assert "base" not in json.loads((entry["full"] / "config.json").read_text())["deltafy"]
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_heads_only_and_full_load_bitwise_equal_without_deltafy(pairs, case):
+    entries, results = pairs
+    entry = entries[case]
+    full, heads = results[f"full-{case}"], results[f"heads-{case}"]
+    assert "error" not in full, full.get("error")
+    assert "error" not in heads, heads.get("error")
+    with torch.no_grad():
+        in_memory = entry["model"](input_ids=entry["ids"]).logits
+    stock = tiny_model(case)
+    with torch.no_grad():
+        assert (in_memory - stock(input_ids=entry["ids"]).logits).abs().max() > 1e-2, "the heads must matter"
+    # (another process may pick other kernels, e.g. for MoE routing: equal to rounding, not bitwise)
+    assert (full["logits"] - in_memory).abs().max() <= 1e-5
+    assert torch.equal(heads["logits"], full["logits"])
+    # deltafy.load gives the same model from either folder.
+    loaded = deltafy.load(entry["heads"])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=entry["ids"]).logits, in_memory)
+
+
+@pytest.mark.parametrize("kind", ["full", "heads"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_auto_model_is_the_converted_bare_model(pairs, case, kind):
+    entries, results = pairs
+    got = results[f"{kind}-{case}"]
+    assert "error" not in got, got.get("error")
+    assert got["lm_class"] == "DeltafyForCausalLM"
+    assert got["bare_class"] == "DeltafyModel"
+    assert got["bare_base"] == type(entries[case]["model"].base_model).__name__  # LlamaModel, GPT2Model, ...
+    prefix = entries[case]["model"].base_model_prefix + "."
+    expected = sorted(n.removeprefix(prefix) for n, _ in delta_sites(entries[case]["model"]))
+    assert got["fired"] == expected and len(expected) >= 4
+    assert torch.equal(got["bare_hidden"], got["lm_hidden"])
+
+
+def test_wrong_or_missing_base_is_one_clear_error(tmp_path):
+    stock, model = converted_from_folder(tmp_path, "llama-untied", "ddl-scalar")
+    heads = deltafy.save(model, tmp_path / "heads", heads_only=True)
+    ids = fixed_ids(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    moved = tmp_path / "moved"
+    shutil.move(stock, moved)
+    with pytest.raises(deltafy.DeltafyError, match="base model .* was not found at .*stock-llama-untied") as err:
+        deltafy.load(heads)
+    assert "\n" not in str(err.value) and "model.safetensors" in str(err.value)
+    # Found where the user says it is, it loads (and is still checked).
+    with torch.no_grad():
+        assert torch.equal(deltafy.load(heads, base=moved)(input_ids=ids).logits, expected)
+    # Other weights under the same name: refused, naming the file and the hash expected.
+    tiny_model("llama-untied", seed=5).save_pretrained(stock)
+    with pytest.raises(deltafy.DeltafyError, match="is not the base model .* model.safetensors is sha256") as err:
+        deltafy.load(heads)
+    assert "\n" not in str(err.value)
+
+
+def test_heads_only_resave_and_full_save_of_a_delta_model(tmp_path):
+    stock, model = converted_from_folder(tmp_path, "gpt2", "ddl-scalar")
+    first = deltafy.save(model, tmp_path / "a" / "heads", heads_only=True)
+    loaded = deltafy.load(first)
+    again = deltafy.save(loaded, tmp_path / "b" / "c" / "heads", heads_only=True)  # elsewhere: path re-based
+    base = json.loads((again / "config.json").read_text())["deltafy"]["base"]
+    assert base["path"] == f"../../../{stock.name}" and "location" not in base
+    full = deltafy.save(loaded, tmp_path / "full")
+    assert "base" not in json.loads((full / "config.json").read_text())["deltafy"]
+    ids = fixed_ids(model)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for folder in (again, full):
+            assert torch.equal(deltafy.load(folder)(input_ids=ids).logits, want)
+
+
+def test_hub_base_is_pinned_and_offline_gives_one_line(tmp_path):
+    model = deltafy.convert(tiny_model("llama-untied"))
+    model.config._commit_hash = "0123456789abcdef0123456789abcdef01234567"
+    heads = deltafy.save(model, tmp_path / "heads", heads_only=True, base="someone/tiny-llama")
+    base = json.loads((heads / "config.json").read_text())["deltafy"]["base"]
+    assert base == {"id": "someone/tiny-llama", "revision": "0123456789abcdef0123456789abcdef01234567"}
+    with pytest.raises(deltafy.DeltafyError, match="base model someone/tiny-llama at revision 0123456789ab") as err:
+        deltafy.load(heads)  # HF_HUB_OFFLINE=1, nothing cached
+    assert "\n" not in str(err.value)
+    # A base with no known commit cannot be pinned.
+    del model.config._commit_hash
+    with pytest.raises(deltafy.DeltafyError, match="must pin its base"):
+        deltafy.save(model, tmp_path / "unpinned", heads_only=True, base="someone/tiny-llama")
+    assert not (tmp_path / "unpinned").exists()
+
+
+def test_cli_convert_and_train_heads_only(tiny, tmp_path):
+    delta = tmp_path / "delta"
+    proc = run_cli("convert", tiny.stock, "--out", delta, "--heads-only", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(delta.glob("model*.safetensors")) and (delta / HEADS_FILE).is_file()
+    assert (delta / "tokenizer.json").is_file()
+    run = tmp_path / "run"
+    args = ["train", delta, "--data", tiny.train_txt, "--eval-data", tiny.held_txt, "--out", run, "--steps", "2"]
+    refused = run_cli(*args, "--seq-len", "32", "--heads-only", "--train", "heads+lora", cwd=tmp_path)
+    assert_one_line_error(refused, "--keep-adapter", "--heads-only")
+    assert not (run / "config.json").exists()
+    proc = run_cli(*args, "--seq-len", "32", "--batch-size", "2", "--heads-only", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(run.glob("model*.safetensors"))
+    trained = read_tensors(run)
+    assert set(trained) == set(read_tensors(delta)) and all(".delta." in k for k in trained)
+    assert any(not torch.equal(trained[k], v) for k, v in read_tensors(delta).items()), "the heads trained"
+    base = json.loads((run / "config.json").read_text())["deltafy"]["base"]
+    assert base["path"] == f"../{tiny.stock.name}" if tiny.stock.parent == tmp_path else base["path"].endswith("stock")
+    model = deltafy.load(run)
+    assert {k: v for k, v in model.state_dict().items() if ".delta." in k}.keys() == trained.keys()
