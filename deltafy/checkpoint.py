@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import modeling_deltafy
-from .card import model_card
+from .card import model_card, public
 from .errors import DeltafyError
 from .folders import _atomic_dir
 from .recipe import Recipe
@@ -81,9 +81,11 @@ def save(
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
     out = Path(out).expanduser()
     # A loaded checkpoint keeps where it came from when it is saved again.
+    # public(): a checkpoint written before provenance kept names only still carries the local path
+    # of its source; saving it again drops the path (the card, config and recipe never hold one).
     provenance = {
-        **spec.get("provenance", {}),
-        **(provenance or {}),
+        **public(spec.get("provenance", {})),
+        **public(provenance or {}),
         "versions": _versions(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

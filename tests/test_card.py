@@ -197,3 +197,19 @@ def test_training_figures_from_a_runs_metrics(tmp_path):
         (tmp_path / "empty.jsonl").write_text(json.dumps({"event": "start"}) + "\n")
         plot_training(tmp_path / "empty.jsonl", tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
+
+
+def test_saving_an_older_checkpoint_again_drops_the_local_path_of_its_source(tmp_path):
+    """A checkpoint written before provenance kept names only (or by hand) carries a local path:
+    the next save, e.g. at the end of training, must not copy it into config.json or the card."""
+    from conftest import tiny_model
+
+    import deltafy
+
+    model = deltafy.convert(tiny_model("llama-tied"))
+    old = {"kind": "local", "source": str(tmp_path / "home" / "me" / "stock")}
+    deltafy.save(model, tmp_path / "out", provenance=old)
+    config = (tmp_path / "out" / "config.json").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert str(tmp_path) not in config and str(tmp_path) not in card
+    assert json.loads(config)["deltafy"]["provenance"]["source"] == "stock"
