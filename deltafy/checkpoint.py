@@ -197,7 +197,8 @@ def base_record(model, base: str | Path | None, out: Path, provenance: dict) -> 
             "or pass base= (a Hub id, a folder or a .gguf file)"
         )
     base = str(base)
-    record = {"alias": base} if base in ALIASES else {}
+    # An alias's file is also found through its package, wherever an environment installed it.
+    record = {"alias": base, "package": ALIASES[base][0]} if base in ALIASES else {}
     location = resolve_alias(base) if base in ALIASES else Path(base).expanduser()
     if location.exists():
         location = location.resolve()
@@ -206,10 +207,9 @@ def base_record(model, base: str | Path | None, out: Path, provenance: dict) -> 
         files = modeling_deltafy.base_weight_files(location)
         if not files:
             raise DeltafyError(f"the base model folder {base} holds no weight files")
-        return record | {
-            "path": os.path.relpath(location, out.expanduser().resolve()),
-            "sha256": modeling_deltafy.sha256_files(files),
-        }
+        # (an alias's file by its name alone: its package finds it, and no machine's layout is written down)
+        path = location.name if "package" in record else os.path.relpath(location, out.expanduser().resolve())
+        return record | {"path": path, "sha256": modeling_deltafy.sha256_files(files)}
     revision = provenance.get("revision") if provenance.get("source") == base else None
     revision = revision or getattr(model.config, "_commit_hash", None)
     if not revision or not _COMMIT.match(revision):

@@ -417,6 +417,18 @@ def _short_error(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+def _packaged_file(package: str, name: str) -> Path | None:
+    """A base file shipped inside an installed package (a bundled alias's GGUF): found wherever this
+    environment installed it, so the checkpoint folder can move."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == name), None)
+
+
 def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | None, str, dict]:
     """The local base (None on the Hub), what to pass from_pretrained and the kwargs that pin it;
     a local base is hash-checked."""
@@ -426,6 +438,8 @@ def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | 
     location = Path(given).expanduser()
     if not location.is_absolute() and override is None and folder is not None:
         location = folder / location
+    if not location.exists() and override is None and record.get("package"):
+        location = _packaged_file(record["package"], Path(record["path"]).name) or location
     want = record.get("sha256", {})
     if not location.exists():
         raise BaseModelError(

