@@ -357,8 +357,9 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     assert binding + "Gemma2Config, Gemma2ForCausalLM, Gemma2Model)" in generated
     assert len(generated.strip().splitlines()) <= 5, "the generated tail is a few lines of binding"
     # The checkpoint carries one Python file, importing torch, transformers (and safetensors and
-    # hashlib, to read and check a heads-only checkpoint's files) and the standard library's plain
-    # modules: no native code, no compiler, no subprocess, no ctypes, nothing written to disk.
+    # hashlib, to read and check a heads-only checkpoint's files; importlib.metadata, to find a
+    # bundled base in its package) and the standard library's plain modules: no native code, no
+    # compiler, no subprocess, no ctypes, nothing written to disk.
     assert sorted(p.name for p in out.glob("*.py")) == [MODELING_FILE]
     imported = set()
     for node in ast.walk(ast.parse(text)):
@@ -368,7 +369,7 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
             assert not node.level, "a relative import would need a second file"
             imported.add(node.module.split(".")[0])
     allowed = {"torch", "transformers", "safetensors", "__future__", "contextlib", "threading", "dataclasses"}
-    assert imported <= allowed | {"hashlib", "pathlib"}, imported
+    assert imported <= allowed | {"hashlib", "pathlib", "importlib"}, imported
     for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "os", "CDLL", "cpp_extension", "save_file"):
         assert not re.search(rf"\b{word}\b", text), f"the checkpoint's code uses {word}"
     opened = re.findall(r"\bopen\(([^)]*)\)", text)
