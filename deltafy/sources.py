@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -50,12 +49,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_file(path: Path) -> str:
+    # The checkpoint's own code hashes a heads-only checkpoint's base the same way: one implementation.
+    from .modeling_deltafy import sha256_files
+
+    return sha256_files([Path(path)])[Path(path).name]
 
 
 def _card_license(readme: str | Path | None) -> str | None:
