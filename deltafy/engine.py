@@ -36,8 +36,10 @@ from .train import (
     is_main_process,
     per_layer,
     planned_steps,
+    read_metrics,
     read_record,
     run_record,
+    run_summary,
     select_trainable,
     site_betas,
     unwrap_lora,
@@ -141,14 +143,10 @@ def _resume_point(out: Path, state_dir: Path, notice) -> Path:
 
 def _finished_result(out: Path, steps: int) -> TrainResult:
     """What a finished run reported, from its metrics' summary (NaN losses if it has none)."""
-    import json
-
-    summary = {}
-    with contextlib.suppress(OSError, ValueError):
-        for line in (out / METRICS_FILE).read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == "summary":
-                summary = record
+    try:
+        summary = run_summary(read_metrics(out / METRICS_FILE))
+    except DeltafyError:  # no metrics to read: the run is finished all the same
+        summary = {}
     nan = float("nan")
     return TrainResult(
         steps=steps,

@@ -31,13 +31,20 @@ class EvalResult:
         return json.dumps(asdict(self))
 
 
+def position_limit(config) -> tuple[str, int] | None:
+    """The config key and the longest sequence ``config``'s model was built for (a config object or
+    a config.json dict), or None where the config does not say."""
+    for key in POSITION_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return key, value
+    return None
+
+
 def model_positions(config) -> int | None:
     """The longest sequence ``config``'s model was built for, or None where the config does not say."""
-    for key in POSITION_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    limit = position_limit(config)
+    return limit[1] if limit else None
 
 
 def check_sizes(seq_len: int, batch_size: int, max_blocks: int | None = None, config=None) -> None:

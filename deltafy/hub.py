@@ -192,23 +192,19 @@ def upload_plan(folder: Path, ignore: list[str]) -> tuple[list[tuple[str, int]],
 
 
 def _base_name(config: dict, front_matter: dict) -> str:
-    """The base model as people know it: a Hub id, or a file name (never a local path)."""
+    """The base model as people know it: the card's Hub id, else the source's name (never a local path)."""
+    from .card import base_model, public_name
+
     spec = config["deltafy"]
+    provenance = spec.get("provenance", {})
     base = front_matter.get("base_model")
     if isinstance(base, list):
         base = base[0] if base else None
+    base = base or base_model(spec, provenance)
     if base:
         return str(base)
-    entry = spec.get("base")
-    if isinstance(entry, dict):
-        if entry.get("id") or entry.get("alias"):  # a Hub id, or a bundled alias's name
-            return str(entry.get("id") or entry["alias"])
-        entry = entry.get("path")  # relative to the folder: its name is what says something
-    provenance = spec.get("provenance", {})
-    if not entry and provenance.get("kind") == "hub":
-        return str(provenance["source"])
-    entry = entry or provenance.get("alias") or provenance.get("source")
-    return Path(str(entry)).name if entry else spec.get("base_model_type", "a base model")
+    source = provenance.get("alias") or provenance.get("source")
+    return public_name(str(source)) if source else spec.get("base_model_type", "a base model")
 
 
 def default_commit_message(config: dict, front_matter: dict, heads_only: bool) -> str:

@@ -6,7 +6,6 @@ pyplot): no GUI backend is touched and no global figure state is left behind in 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -14,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import DeltafyError
+from .train import METRICS_FILE, read_metrics, run_summary
 
 log = logging.getLogger(__name__)
 
@@ -92,29 +92,13 @@ def plot_betas(betas: Mapping, path: str | Path, title: str = "") -> Path:
     return _save(fig, Path(path))
 
 
-def read_metrics(metrics_file: str | Path) -> list[dict]:
-    records = []
-    try:
-        lines = Path(metrics_file).read_text().splitlines()
-    except OSError as err:
-        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed run: the others still draw
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 def plot_training(metrics_file: str | Path, path: str | Path, title: str = "") -> Path:
     """Training loss per logged step and held-out loss at each evaluation (from a run's metrics.jsonl),
     with the held-out loss before training at step 0 and after it at the last step."""
     records = read_metrics(metrics_file)
     train = [(r["step"], r["loss"]) for r in records if r.get("event") != "summary" and "loss" in r and "step" in r]
     held = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r and "step" in r]
-    summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
+    summary = run_summary(records)
     last = max([s for s, _ in train + held] + [summary.get("steps") or 0])
     if isinstance(summary.get("loss_before"), int | float):
         held.insert(0, (0, summary["loss_before"]))
@@ -141,8 +125,6 @@ def write_training_figures(out: str | Path, betas: Mapping | None = None) -> lis
     ``beta.png`` from ``betas`` (``mean_betas``' per-site numbers) or else the summary's mean β per
     layer. Returns the file names written, for the card. A figure that cannot be drawn is skipped
     with a warning: it must never cost a trained model."""
-    from .train import METRICS_FILE
-
     out = Path(out)
     title = out.resolve().name
     written = []
@@ -158,8 +140,7 @@ def write_training_figures(out: str | Path, betas: Mapping | None = None) -> lis
         except DeltafyError as err:
             log.warning("no loss figure: %s", err)
     if betas is None:
-        summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
-        per_layer = summary.get("mean_beta_per_layer")
+        per_layer = run_summary(records).get("mean_beta_per_layer")
         betas = {"all sites": per_layer} if per_layer else None
     if betas:
         try:

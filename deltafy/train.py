@@ -176,6 +176,28 @@ def append_metrics(out: Path, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
+def read_metrics(metrics_file: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (as append_metrics wrote them)."""
+    records = []
+    try:
+        lines = Path(metrics_file).read_text().splitlines()
+    except OSError as err:
+        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run: the others still count
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def run_summary(records: list[dict]) -> dict:
+    """The last summary record (held-out loss before and after, mean beta per layer), or {}."""
+    return next((r for r in reversed(records) if r.get("event") == "summary"), {})
+
+
 def planned_steps(options: TrainOptions, world_size: int) -> int:
     if options.steps:
         return options.steps
@@ -188,15 +210,14 @@ def planned_steps(options: TrainOptions, world_size: int) -> int:
 def check_seq_len(config: dict, seq_len: int) -> None:
     """A block longer than the model's positions: GPT-2 would fail with an IndexError mid-run, a
     rotary model would train silently on positions it never saw."""
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        limit = config.get(key)
-        if isinstance(limit, int) and limit > 0:
-            if seq_len > limit:
-                raise DeltafyError(
-                    f"--seq-len {seq_len} is longer than the model's {limit} positions ({key}); "
-                    f"pass --seq-len {limit} or less"
-                )
-            return
+    from .evaluate import position_limit
+
+    found = position_limit(config)
+    if found is not None and seq_len > found[1]:
+        key, limit = found
+        raise DeltafyError(
+            f"--seq-len {seq_len} is longer than the model's {limit} positions ({key}); pass --seq-len {limit} or less"
+        )
 
 
 # -- the run record -------------------------------------------------------------------------------
