@@ -557,6 +557,12 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
 
         body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}
+        # transformers decides which attention and expert kernels a class may use by reading the source
+        # of the class's module; this file is not the family's, so ask the family (without this a full
+        # MoE checkpoint would run its experts eagerly, and differ from its base's grouped_mm in rounding).
+        for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
+            if hasattr(stock_class, probe):
+                body[probe] = classmethod(lambda cls, probe=probe: getattr(stock_class, probe)())
         return type(name, (stock_class,), body)
 
     classes = (

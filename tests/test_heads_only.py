@@ -28,6 +28,7 @@ CASES = [
     ("llama-untied", "ddl-scalar"),
     ("gpt2", "ddl-learned"),
     ("opt-post-ln", "ddl-scalar"),
+    ("mixtral", "ddl-scalar"),  # MoE: experts in transformers' fused layout, run by grouped_mm
 ]
 
 CHILD = (
@@ -57,6 +58,7 @@ for job in jobs:
             "logits": out.logits, "lm_hidden": out.hidden_states[-1], "bare_hidden": hidden,
             "lm_class": type(lm).__name__, "bare_class": type(bare).__name__,
             "bare_base": type(bare).__mro__[1].__name__, "fired": sorted(set(fired)),
+            "kernels": [getattr(lm.config, f"_{kind}_implementation", None) for kind in ("attn", "experts")],
         }
     except Exception:
         results[job["key"]] = {"error": traceback.format_exc()}
@@ -122,13 +124,28 @@ def test_heads_only_and_full_load_bitwise_equal_without_deltafy(pairs, case):
     stock = tiny_model(case)
     with torch.no_grad():
         assert (in_memory - stock(input_ids=entry["ids"]).logits).abs().max() > 1e-2, "the heads must matter"
-    # (another process may pick other kernels, e.g. for MoE routing: equal to rounding, not bitwise)
+    # (another process may split the CPU kernels differently: equal to rounding, not bitwise)
     assert (full["logits"] - in_memory).abs().max() <= 1e-5
     assert torch.equal(heads["logits"], full["logits"])
     # deltafy.load gives the same model from either folder.
     loaded = deltafy.load(entry["heads"])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=entry["ids"]).logits, in_memory)
+
+
+@pytest.mark.parametrize("kind", ["full", "heads"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_checkpoints_run_the_kernels_their_family_runs(pairs, case, kind):
+    # transformers picks attention and expert kernels by reading the model class's source file; a
+    # converted checkpoint must get what its stock family gets (grouped_mm experts for an MoE).
+    from transformers import AutoModelForCausalLM
+
+    got = pairs[1][f"{kind}-{case}"]
+    assert "error" not in got, got.get("error")
+    stock = AutoModelForCausalLM.from_pretrained(pairs[0][case]["stock"]).config
+    assert got["kernels"] == [stock._attn_implementation, getattr(stock, "_experts_implementation", None)]
+    if case == "mixtral":
+        assert got["kernels"][1] == "grouped_mm"
 
 
 @pytest.mark.parametrize("kind", ["full", "heads"])
