@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def save(
     base: str | Path | None = None,
     training: dict | None = None,
     figures: tuple[str, ...] | list[str] = (),
+    tensors: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a converted ``model`` as a self-contained checkpoint folder at ``out`` (atomically).
 
@@ -75,6 +77,11 @@ def save(
 
     ``training`` (what trained, steps, data, held-out losses) and ``figures`` (image files already in
     ``out``) go into the model card.
+
+    ``tensors(folder)``, when given, writes the weights instead of the model (a streaming conversion,
+    whose model is a skeleton on the meta device), and ``check`` may be a callable run on the written
+    folder before it is published (a self-check of the files themselves): if it raises, nothing is
+    written.
     """
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
@@ -102,7 +109,11 @@ def save(
         previous = _quiet_transformers()  # no "Writing model shards" bar on the CLI's stderr
         try:
             if heads_only:
+                _save_config(model, tmp)
                 _save_heads(model, tmp)
+            elif tensors is not None:
+                _save_config(model, tmp)
+                tensors(tmp)
             else:
                 model.save_pretrained(
                     tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False
@@ -130,6 +141,8 @@ def save(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             _drop_tokenizer_auto_map(tmp)
+        if callable(check):
+            check = check(tmp)
         card = model_card(config, spec, provenance, check, training=training, figures=figures)
         (tmp / "README.md").write_text(card)
     return out
@@ -158,19 +171,26 @@ def _bare_model_class(model) -> type:
     return cls.__mro__[1] if cls.__name__ == "DeltafyModel" else cls
 
 
-def _save_heads(model, folder: Path) -> None:
-    """The config, generation config and the DDL heads alone (names as in the full checkpoint)."""
-    from safetensors.torch import save_file
+def _save_config(model, folder: Path) -> None:
+    """The config and generation config, as save_pretrained writes them beside the weights."""
+    model.config.save_pretrained(folder)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
 
-    heads = {
+
+def head_tensors(model) -> dict[str, torch.Tensor]:
+    """The DDL heads under their names in the full checkpoint."""
+    return {
         f"{name}.{key}": tensor.detach().contiguous().cpu()
         for name, site in modeling_deltafy.delta_sites(model)
         for key, tensor in site.state_dict().items()
     }
-    model.config.save_pretrained(folder)
-    if model.can_generate() and model.generation_config is not None:
-        model.generation_config.save_pretrained(folder)
-    save_file(heads, str(folder / HEADS_FILE), metadata={"format": "pt"})
+
+
+def _save_heads(model, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(head_tensors(model), str(folder / HEADS_FILE), metadata={"format": "pt"})
 
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

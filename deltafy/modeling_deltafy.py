@@ -299,11 +299,15 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
                 ) from err
             plan.append((layer, site, stream, write))
     ref = next(model.parameters())
+    # A model built on the meta device outside a loading context (a streaming conversion) still gets
+    # real heads: their init values are what the conversion writes. Inside transformers' loading
+    # context the heads are created on meta like every other parameter, and loaded.
+    device = None if ref.is_meta else ref.device
     calls: dict[int, _SiteCall] = {}
     for layer, site, stream, write in plan:
         delta = DeltaSite(
             spec.hidden_size, spec.direction, spec.rank, spec.gate_bias, spec.eps, site.scale, site.context
-        ).to(device=ref.device, dtype=ref.dtype)
+        ).to(device=device, dtype=ref.dtype)
         delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()

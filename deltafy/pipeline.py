@@ -13,8 +13,13 @@ from .convert import convert, summarize
 from .errors import DeltafyError
 from .folders import check_output_dir
 from .recipe import Recipe, load_recipe
-from .sources import Source, load_source
+from .sources import Source, load_config, load_source, refuse_deltafy_folder
+from .stream import StreamPlan, check_space, plan_stream, write_tensors
 from .verify import CheckReport, make_inputs, record_reference, self_check
+
+LAYERWISE_ABOVE = 2 << 30  # bytes of weights above which the self-check reads one decoder layer at a time
+
+Progress = Callable[[str, int, int], None]  # (what, advance, total): bytes written, layers checked
 
 
 @dataclass
@@ -36,6 +41,7 @@ class ConversionResult:
     check: CheckReport | None
     out: Path | None
     provenance: dict = field(default_factory=dict)
+    shards: dict[str, int] = field(default_factory=dict)  # streamed: how many shards were linked, copied, cast
 
 
 def plan_for(model: torch.nn.Module) -> Plan:
@@ -59,15 +65,11 @@ def plan_source(source: str, recipe: Recipe | str | None = None) -> Plan:
     recipe = load_recipe(recipe)
     path = Path(source).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        from .sources import load_config, refuse_deltafy_folder
-
         refuse_deltafy_folder(path, source)
         config = load_config(str(path), source, local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    else:
-        model = load_source(source).model
-    return plan_for(convert(model, recipe))
+        with torch.device("meta"):  # the heads too: a plan reads no weights and makes none
+            return plan_for(convert(AutoModelForCausalLM.from_config(config), recipe))
+    return plan_for(convert(load_source(source).model, recipe))
 
 
 def convert_source(
@@ -81,6 +83,8 @@ def convert_source(
     device: str | None = None,
     status: Callable[[str], None] = lambda message: None,
     heads_only: bool = False,
+    streaming: bool | None = None,
+    progress: Progress | None = None,
 ) -> ConversionResult:
     """Convert ``source`` (Hub id, folder, .gguf or alias) and save it at ``out``.
 
@@ -89,10 +93,33 @@ def convert_source(
     ``tolerance`` bounds max |Δlogits| in fp32; in bf16/fp16 the bound is at least the logits' own
     rounding (verify.logit_tolerance). ``heads_only`` writes only the new heads, with ``source``
     pinned as the base they load onto.
+
+    A local folder of safetensors files is converted without loading the model (deltafy.stream):
+    its shards are linked or copied into ``out`` beside a shard of heads, and the self-check runs on
+    the written files, a decoder layer at a time when the weights are larger than LAYERWISE_ABOVE
+    or ``streaming`` is True. ``streaming`` False loads the whole model, as for other sources.
+    ``progress(what, advance, total)`` reports bytes written and layers checked.
     """
     out = Path(out).expanduser()
     check_output_dir(out, overwrite)
     recipe = load_recipe(recipe)
+    folder = Path(source).expanduser()
+    if streaming is not False and folder.is_dir() and (folder / "config.json").is_file() and device is None:
+        refuse_deltafy_folder(folder, source)
+        status(f"reading the config and file headers of {source}")
+        plan = plan_stream(folder, recipe, dtype)
+        if not isinstance(plan, str):
+            return _convert_streaming(
+                plan, source, out, verify, overwrite, tolerance, status, progress, heads_only, streaming
+            )
+        if streaming:
+            raise DeltafyError(f"{source} cannot be converted by streaming: {plan}; convert it without --streaming")
+        status(f"loading the whole model ({plan})")
+    elif streaming:
+        raise DeltafyError(
+            "--streaming converts a local model folder of safetensors files on the CPU; download the model "
+            "(huggingface-cli download ID --local-dir DIR) and convert DIR, or drop --streaming"
+        )
     status(f"loading {source}")
     loaded: Source = load_source(source, dtype)
     model = loaded.model
@@ -108,14 +135,7 @@ def convert_source(
     check = None
     if verify:
         status("self-check: converted vs original")
-        check = self_check(model, reference, tolerance=tolerance)
-        if not check.passed:
-            raise DeltafyError(
-                f"self-check failed: max |Δlogits| {check.max_abs_dlogits:.3g} "
-                f"(tolerance {check.tolerance:.3g} in {check.dtype}), "
-                f"β=0 bitwise {check.beta_zero_bitwise}, greedy identical {check.greedy_identical}; "
-                f"nothing was written (try a more negative gate_bias in the recipe)"
-            )
+        check = _passed(self_check(model, reference, tolerance=tolerance))
     status(f"writing {out}")
     save(
         model,
@@ -128,3 +148,87 @@ def convert_source(
         base=source if heads_only else None,
     )
     return ConversionResult(plan=plan_for(model), check=check, out=out, provenance=loaded.provenance)
+
+
+def _passed(check: CheckReport) -> CheckReport:
+    if not check.passed:
+        raise DeltafyError(
+            f"self-check failed: max |Δlogits| {check.max_abs_dlogits:.3g} "
+            f"(tolerance {check.tolerance:.3g} in {check.dtype}), "
+            f"β=0 bitwise {check.beta_zero_bitwise}, greedy identical {check.greedy_identical}; "
+            f"nothing was written (try a more negative gate_bias in the recipe)"
+        )
+    return check
+
+
+def _convert_streaming(
+    plan: StreamPlan, source, out, verify, overwrite, tolerance, status, progress, heads_only, layerwise
+) -> ConversionResult:
+    from .shards import INDEX_FILE
+
+    layerwise = bool(layerwise) or plan.nbytes > LAYERWISE_ABOVE
+    report = progress or (lambda what, advance, total: None)
+    if not heads_only:
+        check_space(plan, out)
+    checked: list[CheckReport] = []
+    shards: dict[str, int] = {}
+
+    def write(folder: Path) -> None:
+        status(f"writing {out}")
+        total = plan.write_bytes
+        shards.update(write_tensors(plan, folder, lambda nbytes: report("writing weights", nbytes, total)))
+
+    def check(folder: Path) -> dict:
+        if layerwise:
+            from .verify import layerwise_self_check
+
+            status("self-check, a decoder layer at a time")
+            weights = plan.weights(folder if (folder / INDEX_FILE).is_file() else None)
+            result = layerwise_self_check(
+                load_config(str(plan.folder), source, local_files_only=True),
+                plan.model.config.deltafy,
+                {name: t for name, t in plan.model.state_dict().items() if ".delta." in name},
+                weights,
+                tokenizer=plan.tokenizer,
+                tolerance=tolerance,
+                progress=lambda done, total: report("self-check (layers)", 1, total),
+            )
+        else:
+            status("self-check: the written model vs the original")
+            result = _check_written(plan, folder, tolerance)
+        checked.append(_passed(result))
+        return result.to_dict()
+
+    save(
+        plan.model,
+        out,
+        tokenizer=plan.tokenizer,
+        provenance=plan.provenance,
+        check=check if verify else None,
+        overwrite=overwrite,
+        heads_only=heads_only,
+        base=source if heads_only else None,
+        tensors=None if heads_only else write,
+    )
+    check = checked[0] if checked else None
+    return ConversionResult(plan_for(plan.model), check, out, provenance=plan.provenance, shards=shards)
+
+
+def _check_written(plan: StreamPlan, folder: Path, tolerance: float) -> CheckReport:
+    """Today's whole-model self-check, on the files as written: the original loaded from the source,
+    its outputs recorded and dropped, then the written folder loaded the way its users will load it."""
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoint import load
+    from .sources import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+
+    dtype = plan.model.dtype
+    previous = _quiet_transformers()
+    try:
+        stock = AutoModelForCausalLM.from_pretrained(plan.folder, dtype=dtype, **NO_REMOTE_CODE).eval()
+        reference = record_reference(stock, *make_inputs(stock, plan.tokenizer))
+        del stock
+        converted = load(folder, dtype=dtype)
+    finally:
+        _restore_transformers(previous)
+    return self_check(converted, reference, tolerance=tolerance)

@@ -201,7 +201,7 @@ def load_config(location: str, what: str, **kwargs):
 
 
 def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     previous = _quiet_transformers()
     try:
@@ -221,17 +221,24 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
                 f"the weights of {what} are incomplete ({len(missing)} tensors missing, e.g. "
                 f"{missing[0]}); the files may be truncated or from another model"
             )
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(location, **NO_REMOTE_CODE, **kwargs)
-        except Exception:
-            log.warning("no usable tokenizer in %s; the self-check uses random token ids", what)
-            tokenizer = None
-        if tokenizer is not None and not _has_vocabulary(tokenizer):
-            log.warning("no usable tokenizer in %s; the self-check uses random token ids", what)
-            tokenizer = None
+        tokenizer = source_tokenizer(location, what, **kwargs)
     finally:
         _restore_transformers(previous)
     return Source(model.eval(), tokenizer)
+
+
+def source_tokenizer(location: str, what: str, **kwargs):
+    """The source's tokenizer, or None (with a warning) when it has no usable one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **NO_REMOTE_CODE, **kwargs)
+    except Exception:
+        tokenizer = None
+    if tokenizer is None or not _has_vocabulary(tokenizer):
+        log.warning("no usable tokenizer in %s; the self-check uses random token ids", what)
+        return None
+    return tokenizer
 
 
 def _clear_gguf_quantizer(model) -> None:
@@ -290,6 +297,16 @@ def _gguf_provenance(path: Path, digest: str) -> dict:
     return _with_license({"kind": "gguf", "source": path.name, "sha256": digest}, _gguf_license(path))
 
 
+def local_provenance(path: Path) -> dict:
+    provenance = {
+        "kind": "local",
+        "source": path.resolve().name,  # the folder's name, never its place on this machine
+        "config_sha256": sha256_file(path / "config.json"),
+    }
+    readme = path / "README.md"
+    return _with_license(provenance, _card_license(readme) if readme.is_file() else None)
+
+
 def load_source(source: str, dtype: str = "auto") -> Source:
     """Load ``source`` for conversion: a bundled alias, a .gguf file, a local folder or a Hub id."""
     if source in ALIASES:
@@ -314,13 +331,7 @@ def load_source(source: str, dtype: str = "auto") -> Source:
             )
         refuse_deltafy_folder(path, source)
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
-        provenance = {
-            "kind": "local",
-            "source": path.resolve().name,  # the folder's name, never its place on this machine
-            "config_sha256": sha256_file(path / "config.json"),
-        }
-        readme = path / "README.md"
-        loaded.provenance = _with_license(provenance, _card_license(readme) if readme.is_file() else None)
+        loaded.provenance = local_provenance(path)
         return loaded
     if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")

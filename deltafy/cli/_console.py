@@ -17,3 +17,32 @@ def spinner_status(on: Console) -> Iterator[Callable[[str], None]]:
     which rich would otherwise read as markup ("runs/a[/]b" is a markup error, "[draft]" a tag)."""
     with on.status("") as spinner:
         yield lambda message: spinner.update(escape(message) + " …")
+
+
+@contextmanager
+def activity(on: Console) -> Iterator[tuple[Callable[[str], None], Callable[[str, int, int], None]]]:
+    """A spinner line for what a long job is doing, plus a bar for each step that counts its
+    progress (bytes written, layers checked): ``progress(what, advance, total)``."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+        console=on,
+        transient=True,
+    ) as bars:
+        spinner = bars.add_task("", total=None)
+        tasks: dict[str, int] = {}
+
+        def status(message: str) -> None:
+            bars.update(spinner, description=escape(message) + " …")
+
+        def progress(what: str, advance: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bars.add_task(escape(what), total=total)
+            bars.update(tasks[what], advance=advance)
+
+        yield status, progress

@@ -10,7 +10,7 @@ from rich.table import Table
 from ..errors import DeltafyError
 from ..pipeline import Plan, convert_source, plan_source
 from ..recipe import DEFAULT_RECIPE
-from ._console import console, err_console, spinner_status
+from ._console import activity, console, err_console
 from ._options import OFF, DType, DTypeOpt, OverwriteOpt, RecipeOpt, check_number
 
 
@@ -66,6 +66,15 @@ def convert_command(
             show_default=OFF,
         ),
     ] = False,
+    streaming: Annotated[
+        bool | None,
+        typer.Option(
+            "--streaming/--in-memory",
+            help="--streaming: convert a local safetensors folder without loading it and self-check it a decoder "
+            "layer at a time; --in-memory: load the whole model.",
+            show_default="streaming where the source allows it, layer by layer above 2 GiB of weights",
+        ),
+    ] = None,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
 
@@ -76,6 +85,7 @@ def convert_command(
       deltafy convert gpt2 --out ./gpt2-delta --dtype float32
       deltafy convert ./model.gguf --dry-run
       deltafy convert HuggingFaceTB/SmolLM2-135M --out ./smol-delta --heads-only
+      deltafy convert ./Llama-3.1-70B --out ./llama70b-delta --streaming
     """
     check_number("--tolerance", tolerance, minimum=0.0)
     if dry_run:
@@ -84,7 +94,7 @@ def convert_command(
         return
     if out is None:
         raise DeltafyError("missing --out DIR (or pass --dry-run to only show the plan)")
-    with spinner_status(err_console) as status:
+    with activity(err_console) as (status, progress):
         result = convert_source(
             source,
             out,
@@ -96,16 +106,27 @@ def convert_command(
             device=device,
             status=status,
             heads_only=heads_only,
+            streaming=streaming,
+            progress=progress,
         )
     _print_plan(result.plan)
     if result.check is not None:
         c = result.check
+        greedy = (
+            f"{c.greedy_tokens}-token greedy generation identical"
+            if c.greedy_identical is not None
+            else "greedy generation not run (layer by layer it would read the whole model once per token)"
+        )
         console.print(
             f"[green]self-check passed[/]: max |Δlogits| {c.max_abs_dlogits:.2e} (≤ {c.tolerance:.3g}, {c.dtype}), "
-            f"β=0 bitwise identical, {c.greedy_tokens}-token greedy generation identical"
+            f"β=0 bitwise identical, {greedy}"
         )
     else:
         console.print("[yellow]self-check skipped (--no-verify)[/]")
+    if result.shards:
+        how = ", ".join(f"{n} {what}" for what, n in result.shards.items() if n)
+        linked = " (hard links share the source's files: no bytes copied)" if result.shards["hard-linked"] else ""
+        console.print(f"pretrained shards: {how}{linked}; the heads are a shard of their own")
     out = str(result.out)
     console.print(
         f"wrote [bold]{escape(out)}[/]  load it with "
