@@ -494,7 +494,8 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     record = config.deltafy["base"]
     folder = Path(path) if Path(path).is_dir() else None
     hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    own = {k: kwargs.pop(k) for k in ("revision", "subfolder") if k in kwargs}  # the checkpoint's, not the base's
+    # the checkpoint's, not the base's (AutoModel passes the checkpoint's revision on as adapter_kwargs)
+    own = {k: kwargs.pop(k) for k in ("revision", "subfolder", "adapter_kwargs") if k in kwargs}
     local, location, pin = _base_location(record, folder, kwargs.pop("deltafy_base", None))
     if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
         kwargs.pop("torch_dtype", None)
@@ -513,11 +514,14 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
         config.__dict__.pop("model_type", None)
     model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
     model.config.__dict__.pop("model_type", None)
-    revision = getattr(model.config, "_commit_hash", None)
-    if pin.get("revision") and revision and revision != pin["revision"]:
-        raise BaseModelError(
-            f"deltafy: the base model {location} is at revision {revision}, expected {pin['revision']}"
-        )
+    if pin.get("revision"):  # the Hub may answer for a pinned commit with another: see where the files landed
+        from transformers.utils.hub import cached_file, extract_commit_hash
+
+        revision = extract_commit_hash(cached_file(location, "config.json", revision=pin["revision"], **hub), None)
+        if revision != pin["revision"]:
+            raise BaseModelError(
+                f"deltafy: the base model {location} is at revision {revision}, expected {pin['revision']}"
+            )
     if "gguf_file" in pin:  # a .gguf base is fully dequantized: nothing of it is quantized any more
         model.hf_quantizer, model.is_quantized = None, False
     model.__class__ = cls

@@ -335,8 +335,13 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         return loaded
     if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")
-    loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False)
-    revision = getattr(loaded.model.config, "_commit_hash", None)
+    from transformers.utils.hub import resolve_revision
+
+    # The commit "main" is now, resolved once: every file of the load comes from it, and a heads-only
+    # checkpoint pins it (transformers 5 no longer records it on the config).
+    resolved = resolve_revision(source, None)
+    loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False, revision=resolved)
+    revision = getattr(resolved, "resolved", None) or getattr(loaded.model.config, "_commit_hash", None)
     loaded.provenance = _with_license(
         {"kind": "hub", "source": source, "revision": revision}, _hub_license(source, revision)
     )
