@@ -13,7 +13,7 @@ from .convert import convert, summarize
 from .errors import DeltafyError
 from .folders import check_output_dir
 from .recipe import Recipe, load_recipe
-from .sources import Source, load_config, load_source, refuse_deltafy_folder
+from .sources import Source, download_snapshot, is_hub_id, load_config, load_source, refuse_deltafy_folder
 from .stream import StreamPlan, check_space, plan_stream, write_tensors
 from .verify import CheckReport, make_inputs, record_reference, self_check
 
@@ -103,12 +103,16 @@ def convert_source(
     out = Path(out).expanduser()
     check_output_dir(out, overwrite)
     recipe = load_recipe(recipe)
-    folder = Path(source).expanduser()
+    folder, provenance = Path(source).expanduser(), None
+    if streaming is not False and device is None and is_hub_id(source):
+        status(f"fetching {source} from the Hugging Face Hub")
+        folder, provenance = download_snapshot(source) or (folder, None)
     if streaming is not False and folder.is_dir() and (folder / "config.json").is_file() and device is None:
         refuse_deltafy_folder(folder, source)
         status(f"reading the config and file headers of {source}")
         plan = plan_stream(folder, recipe, dtype)
         if not isinstance(plan, str):
+            plan.provenance = provenance or plan.provenance
             return _convert_streaming(
                 plan, source, out, verify, overwrite, tolerance, status, progress, heads_only, streaming
             )
@@ -117,8 +121,9 @@ def convert_source(
         status(f"loading the whole model ({plan})")
     elif streaming:
         raise DeltafyError(
-            "--streaming converts a local model folder of safetensors files on the CPU; download the model "
-            "(huggingface-cli download ID --local-dir DIR) and convert DIR, or drop --streaming"
+            f"--streaming converts a folder (or Hub model) of safetensors files on the CPU, and {source} is "
+            f"{'a .gguf file' if folder.is_file() else 'not one'}; drop --streaming"
+            + (" or --device" if device else "")
         )
     status(f"loading {source}")
     loaded: Source = load_source(source, dtype)

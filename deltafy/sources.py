@@ -346,3 +346,46 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         {"kind": "hub", "source": source, "revision": revision}, _hub_license(source, revision)
     )
     return loaded
+
+
+# What a streaming conversion fetches of a Hub model besides its safetensors shards: configs, the
+# index, tokenizer files and the card (never *.bin, *.pt, *.gguf or original-format duplicates).
+HUB_SMALL_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.md"]
+
+
+def is_hub_id(source: str) -> bool:
+    path = Path(source).expanduser()
+    return not path.exists() and not source.startswith((".", "/", "~")) and bool(_HUB_ID.match(source))
+
+
+def download_snapshot(source: str) -> tuple[Path, dict] | None:
+    """A Hub model's files in the local HF cache, for a streaming conversion: the small files, then
+    exactly the safetensors shards its index names (or its single model.safetensors). Returns the
+    snapshot folder and the provenance, or None when the repo has no safetensors weights."""
+    from huggingface_hub import snapshot_download
+    from transformers.utils.hub import resolve_revision
+
+    from .shards import INDEX_FILE, SINGLE_FILE
+
+    revision = resolve_revision(source, None)
+    try:
+        folder = Path(snapshot_download(source, revision=revision, allow_patterns=HUB_SMALL_FILES))
+        load_config(str(folder), f"{source!r}", local_files_only=True)  # a supported family, before the big files
+        if (folder / INDEX_FILE).is_file():
+            shards = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
+        else:
+            shards = [SINGLE_FILE]
+        folder = Path(snapshot_download(source, revision=revision, allow_patterns=HUB_SMALL_FILES + shards))
+    except DeltafyError:
+        raise
+    except Exception as err:
+        raise DeltafyError(
+            f"could not fetch {source!r} from the Hugging Face Hub ({_short(err)}); check the id and your "
+            f"connection, or download it elsewhere and pass the local folder path"
+        ) from err
+    if not all((folder / name).is_file() for name in shards):
+        return None  # no safetensors weights (e.g. only pytorch_model.bin): transformers loads those
+    commit = folder.name  # snapshots/<commit>
+    readme = folder / "README.md"
+    provenance = {"kind": "hub", "source": source, "revision": commit}
+    return folder, _with_license(provenance, _card_license(readme) if readme.is_file() else None)

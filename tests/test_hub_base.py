@@ -34,6 +34,7 @@ HEADS_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<file>.+)")
 INFO = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<revision>[^/]+))?")
+TREE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<revision>[^/]+)")  # snapshot_download's listing
 
 
 class FakeHub:
@@ -54,6 +55,15 @@ class FakeHub:
         self.requests.append(SimpleNamespace(method=request.method, path=path))
         if match := RESOLVE.fullmatch(path):
             return self._resolve(request, **match.groupdict())
+        if match := TREE.fullmatch(path):
+            repo = self.repos.get(match["repo"])
+            if repo is None or repo.status:
+                return self._refused(repo)
+            listing = [
+                {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                for name, data in sorted(repo.files.items())
+            ]
+            return httpx2.Response(200, json=listing)
         if match := INFO.fullmatch(path):
             repo = self.repos.get(match["repo"])
             if repo is None or repo.status:
@@ -236,3 +246,28 @@ def test_convert_from_the_hub_pins_the_commit_it_loaded(hub, made, tmp_path):
     hub.requests.clear()
     deltafy.load(out)
     assert at_revisions(hub.paths(BASE)) <= {BASE_COMMIT}
+
+
+def test_convert_streams_a_hub_model_from_the_cache(hub, made, tmp_path):
+    # The shards are fetched into the HF cache (only what the index names: never *.bin or duplicates)
+    # and hard-linked from there; the checkpoint is the in-memory conversion's, bitwise.
+    import os
+
+    from deltafy.pipeline import convert_source
+
+    hub.serve(BASE, made.stock, BASE_COMMIT)
+    hub.repos[BASE].files["pytorch_model.bin"] = b"never fetched"
+    result = convert_source(BASE, tmp_path / "streamed")
+    assert result.shards == {"hard-linked": 1, "copied": 0, "cast": 0}
+    fetched = {m["file"] for p in hub.paths(BASE) if (m := RESOLVE.fullmatch(p))}
+    assert "model.safetensors" in fetched and "pytorch_model.bin" not in fetched
+    blob = Path(constants.HF_HUB_CACHE) / "models--someone--tiny-llama" / "blobs"
+    linked = os.stat(result.out / "model-00001-of-00002.safetensors").st_ino
+    assert linked in {os.stat(b).st_ino for b in blob.iterdir()}
+    provenance = json.loads((result.out / "config.json").read_text())["deltafy"]["provenance"]
+    assert (provenance["kind"], provenance["source"], provenance["revision"]) == ("hub", BASE, BASE_COMMIT)
+    local = convert_source(str(made.stock), tmp_path / "in-memory", streaming=False).out
+    for a, b in zip(
+        deltafy.load(result.out).state_dict().items(), deltafy.load(local).state_dict().items(), strict=True
+    ):
+        assert a[0] == b[0] and torch.equal(a[1], b[1])
