@@ -13,18 +13,9 @@ import torch
 from .errors import DeltafyError
 from .plots import write_training_figures
 from .progress import monitor, to_stderr
-from .runs import (
-    RunLock,
-    Stop,
-    atomic_trainer,
-    clear_run_state,
-    guard_out,
-    newest_complete,
-    remove_leftovers,
-    set_aside,
-    step_of,
-    write_failure,
-)
+from .resume import atomic_trainer, newest_complete, set_aside, step_of, write_failure
+from .runs import RunLock, Stop, clear_run_state, guard_out, remove_leftovers
+from .sharding import check_launch, fsdp_arguments, gather_trained, is_sharded, rebuild, sharded_trainer
 from .train import (
     METRICS_FILE,
     STATE_DIR,
@@ -86,6 +77,7 @@ def run_training(
     if heads_only:
         check_heads_only(config, options, model_dir)
     check_seq_len(config, options.seq_len)
+    check_launch(options)
     # Rank 0 speaks for a torchrun job: it holds the lock and says what the run does.
     lock = RunLock(out) if is_main_process() else contextlib.nullcontext()
     notice = notice if is_main_process() else (lambda message: None)
@@ -215,6 +207,7 @@ def _train(
 
     status(f"loading {model_dir}")
     model = load(model_dir, dtype=torch.float32)
+    sharding = fsdp_arguments(model, options)  # before LoRA wraps it: it reads the decoder layers' class
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)
     if eval_data:
@@ -256,21 +249,26 @@ def _train(
         save_only_model=False,
         use_cpu=not cuda,
         **_checkpointing_args(options.gradient_checkpointing),
+        **sharding,
     )
-    optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in groups])
-    scheduler = get_scheduler(
-        options.schedule if options.schedule != "constant" else "constant_with_warmup",
-        optimizer,
-        num_warmup_steps=int(options.warmup * steps),
-        num_training_steps=steps,
-    )
+
+    def make_optimizer():
+        return torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in groups])
+
+    def make_scheduler(optimizer):
+        return get_scheduler(
+            options.schedule if options.schedule != "constant" else "constant_with_warmup",
+            optimizer,
+            num_warmup_steps=int(options.warmup * steps),
+            num_training_steps=steps,
+        )
+
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
-    trainer = atomic_trainer()(
+    trainer = sharded_trainer(atomic_trainer(), make_optimizer, make_scheduler)(
         model=model,
         args=args,
         train_dataset=_Blocks(train_blocks),
         eval_dataset=_Blocks(eval_blocks),
-        optimizers=(optimizer, scheduler),
         callbacks=[progress := monitor(out, steps, tokens_per_step, show_progress, stop)],
     )
     from transformers.trainer_callback import PrinterCallback
@@ -317,11 +315,16 @@ def _train(
         trainable_params=trainable,
         out=out,
     )
+    trained = trainer.model
+    if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
+        status("gathering the trained parameters")
+        gathered = gather_trained(trainer.model)  # a collective: every rank takes part
+        trained = rebuild(model_dir, options, gathered) if main else None
     if main:
         status("held-out loss after training")
         # The model as trained (with its LoRA adapters, when it has any): what the run produced.
-        result.loss_after = evaluate(trainer.model, eval_blocks, options.batch_size).loss
-        betas = site_betas(trainer.model, eval_blocks)
+        result.loss_after = evaluate(trained, eval_blocks, options.batch_size).loss
+        betas = site_betas(trained, eval_blocks)
         result.mean_beta_per_layer = per_layer(betas)
         append_metrics(
             out,
@@ -346,7 +349,7 @@ def _train(
             "loss_after": result.loss_after,
         }
         try:
-            model = unwrap_lora(trainer.model, options.merge_lora, out / "lora-adapter")
+            model = unwrap_lora(trained, options.merge_lora, out / "lora-adapter")
             provenance = model.config.deltafy.get("provenance")
             save(
                 model,

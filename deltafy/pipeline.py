@@ -160,7 +160,8 @@ def _passed(check: CheckReport) -> CheckReport:
         raise DeltafyError(
             f"self-check failed: max |Δlogits| {check.max_abs_dlogits:.3g} "
             f"(tolerance {check.tolerance:.3g} in {check.dtype}), "
-            f"β=0 bitwise {check.beta_zero_bitwise}, greedy identical {check.greedy_identical}; "
+            f"β=0 bitwise {check.beta_zero_bitwise}, greedy identical "
+            f"{'not checked' if check.greedy_identical is None else check.greedy_identical}; "
             f"nothing was written (try a more negative gate_bias in the recipe)"
         )
     return check

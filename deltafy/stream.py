@@ -94,7 +94,10 @@ def plan_stream(folder: Path, recipe: Recipe, dtype: str = "auto") -> StreamPlan
     target = _dtype(dtype, config)
     entries: dict[str, Entry] = {}
     for file in files:
-        found, _ = read_header(file)
+        try:
+            found, _ = read_header(file)
+        except DeltafyError as err:
+            raise DeltafyError(f"could not load the weights of {folder}: {err}") from err
         twice = found.keys() & entries.keys()
         if twice:
             raise DeltafyError(f"{folder} stores tensor {min(twice)} twice (in two shards); its files are inconsistent")

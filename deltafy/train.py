@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import DeltafyError
 from .modeling_deltafy import delta_sites, mean_betas
@@ -33,7 +33,21 @@ RECORD_FILE = "run.json"  # inside STATE_DIR: the settings a --resume must match
 CHANGEABLE = ("steps", "tokens", "eval_every", "save_every", "max_eval_blocks", "gradient_checkpointing", "merge_lora")
 
 
-TrainOptions = TrainingDefaults
+class LaunchOptions(BaseModel):
+    """How a run is spread over processes and devices: not a recipe's business (the same recipe
+    trains on one GPU or on sixteen), so these are flags only, never in a ``training:`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fsdp: bool = Field(
+        False,
+        description="shard the model (frozen base, heads, LoRA) over the processes of a torchrun / accelerate "
+        "launch with FSDP2, one unit per decoder layer, instead of a full copy on each (DDP)",
+    )
+
+
+class TrainOptions(TrainingDefaults, LaunchOptions):
+    """Every ``deltafy train`` setting: the recipe's training defaults plus the launch options."""
 
 
 def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
@@ -281,7 +295,9 @@ def compare_records(old: dict, new: dict, out: Path) -> list[str]:
             what = f"{before} → {after}" if before != after else "the same inputs now hold different text"
             refused.append(f"--{key.replace('_', '-')} {what}")
     for key in sorted(set(old["options"]) | set(new["options"])):
-        a, b = old["options"].get(key), new["options"].get(key)
+        # A setting newer than the saved run's deltafy: that run had its default.
+        default = TrainOptions.model_fields[key].default if key in TrainOptions.model_fields else None
+        a, b = old["options"].get(key, default), new["options"].get(key, default)
         if a != b:
             (changed if key in CHANGEABLE else refused).append(f"--{key.replace('_', '-')} {a} → {b}")
     if refused:

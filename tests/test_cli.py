@@ -22,6 +22,7 @@ from conftest import tiny_config, tiny_model
 import deltafy
 from deltafy.architectures import SUPPORTED
 from deltafy.sources import ALIASES, load_source, resolve_alias
+from deltafy.train import TrainOptions
 
 
 def cli_env(extra: dict | None = None) -> dict:
@@ -97,7 +98,9 @@ def test_convert_local_folder(converted):
     out = root / "out"
     for name in (
         "config.json",
-        "model.safetensors",
+        "model.safetensors.index.json",  # streamed: the source's shard (a hard link) and one of heads
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
         "modeling_deltafy.py",
         "README.md",
         "recipe.yaml",
@@ -416,7 +419,7 @@ def test_train_flags_reach_the_options(monkeypatch, tmp_path):
             max_eval_blocks=5,
         )
     )
-    assert seen == {"data": ["a.txt", "b.txt"], "options": expected}
+    assert seen == {"data": ["a.txt", "b.txt"], "options": TrainOptions(**expected.model_dump())}
 
 
 def test_bad_train_flags_are_reported_at_once(tmp_path):
@@ -443,7 +446,7 @@ def test_out_folder_with_files_is_refused_then_overwritten(tmp_path, src):
     proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not (out / "keep.txt").exists()
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sibling.txt"]
     assert (tmp_path / "sibling.txt").read_text() == "untouched"
     deltafy.load(out)
@@ -472,11 +475,13 @@ def test_failure_mid_write_leaves_nothing(tmp_path):
     work.mkdir()
     (work / "sibling.txt").write_text("untouched")
 
-    proc = cli("convert", big, "--out", work / "out", cwd=work, preexec_fn=_limit_file_size)
-    line = assert_one_line_error(proc, "could not write", "nothing was written")
-    assert "too large" in line.lower(), line  # EFBIG, named as such
-    assert not (work / "out").exists()
-    assert sorted(p.name for p in work.iterdir()) == ["sibling.txt"]
+    # Both ways of writing weights: a model saved from memory, and a stream cast a tensor at a time.
+    for how in (["--in-memory"], ["--dtype", "float16"]):
+        proc = cli("convert", big, "--out", work / "out", *how, cwd=work, preexec_fn=_limit_file_size)
+        line = assert_one_line_error(proc, "could not write", "nothing was written")
+        assert "too large" in line.lower(), line  # EFBIG, named as such
+        assert not (work / "out").exists()
+        assert sorted(p.name for p in work.iterdir()) == ["sibling.txt"]
 
 
 # -- bundled aliases (deltafy's own ALIASES table) ------------------------------------------------------

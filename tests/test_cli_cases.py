@@ -71,7 +71,7 @@ def _old_restored(paths: dict) -> None:
 def _converted(folder: str) -> Callable[[dict], None]:
     def check(paths: dict) -> None:
         out = Path(paths["root"]) / folder.format(**paths)
-        assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+        assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
         assert not [p for p in out.parent.iterdir() if "deltafy-partial" in p.name]
 
     return check

@@ -3,6 +3,7 @@ that are complete or absent, signals and full disks. Real runs of the tiny llama
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -14,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from _train_helpers import read_metrics, run_cli, shared_tokenizer, step_records, subprocess_env
+from _train_helpers import read_metrics, read_tensors, run_cli, shared_tokenizer, step_records, subprocess_env
 from test_cli import assert_one_line_error
 
 import deltafy
 from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
+from deltafy.resume import HEADS_FILE, TRAINER_STATE
 from deltafy.runs import LOCK_FILE, RunLock
 from deltafy.train import options_from
 
@@ -194,8 +196,6 @@ def test_resume_of_a_finished_run_trains_nothing_and_more_steps_continue(tiny, f
 
 
 def test_resume_of_a_run_whose_model_was_not_written_writes_it(tiny, finished, tmp_path):
-    from _train_helpers import read_tensors
-
     out = copy_run(finished, tmp_path)
     (out / "config.json").unlink()  # the final write failed (config.json goes in last)
     notices = []
@@ -225,8 +225,6 @@ def test_resume_of_heads_and_lora_restores_the_heads(tiny, tmp_path):
     """peft checkpoints hold the adapter alone: the heads that train beside it must come back too,
     or a resumed heads+lora run silently restarts them from init. With a constant schedule a run
     of 3 steps and a run of 2 resumed to 3 are the same run, bit for bit."""
-    from _train_helpers import read_tensors
-
     lora = dict(train="heads+lora", merge_lora=False, schedule="constant", warmup=0.0)
     train(tiny, tmp_path / "straight", steps=3, **lora)
     train(tiny, tmp_path / "resumed", steps=2, **lora)
@@ -248,6 +246,128 @@ def test_resume_with_no_complete_checkpoint_is_one_line(tiny, finished, tmp_path
     with pytest.raises(DeltafyError, match="every checkpoint is incomplete: checkpoint-2 .no optimizer.pt.") as err:
         train(tiny, out, resume=True, steps=3)
     assert "\n" not in str(err.value)
+
+
+# -- what a checkpoint holds ------------------------------------------------------------------------
+
+
+def test_a_heads_checkpoint_holds_what_trains_not_the_base(tiny, finished):
+    """The base is frozen and the run loads it from its input: a checkpoint keeps the heads, the
+    optimizer, scheduler, RNG and trainer state (tiny llama: 37 kB, against 564 kB of weights)."""
+    checkpoint = finished / "training" / "checkpoint-2"
+    files = {p.name: p.stat().st_size for p in checkpoint.iterdir()}
+    assert set(files) == {"deltafy_heads.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", TRAINER_STATE}
+    model_bytes = (finished / "model.safetensors").stat().st_size
+    assert sum(files.values()) < model_bytes / 10, (files, model_bytes)
+    heads, final = read_tensors(checkpoint), read_tensors(finished)
+    assert heads and all(".delta." in key for key in heads)
+    assert heads.keys() == {key for key in final if ".delta." in key}  # every head: nothing that does not train
+    for key, value in heads.items():
+        assert value.equal(final[key]), key  # step 2 is the last: its heads are the model's
+
+
+def _as_previous_format(tiny, checkpoint: Path) -> None:
+    """What deltafy wrote before checkpoints held only what trains: the whole model, heads included."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = deltafy.load(tiny.delta, dtype=torch.float32)
+    model.load_state_dict(load_file(checkpoint / HEADS_FILE), strict=False)
+    model.save_pretrained(checkpoint)
+    (checkpoint / HEADS_FILE).unlink()
+
+
+def test_a_checkpoint_of_the_previous_format_resumes(tiny, finished, tmp_path):
+    new, old = copy_run(finished, tmp_path / "new"), copy_run(finished, tmp_path / "old")
+    _as_previous_format(tiny, old / "training" / "checkpoint-2")
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(old / "training" / "checkpoint-2"))
+    for out in (new, old):
+        assert train(tiny, out, resume=True, steps=3).steps == 3
+    a, b = read_tensors(new), read_tensors(old)
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        assert b[key].equal(value), key
+    assert [r["loss"] for r in step_records(read_metrics(old))] == [r["loss"] for r in step_records(read_metrics(new))]
+    # What it saves next is the new format.
+    assert not (old / "training" / "checkpoint-3" / "model.safetensors").exists()
+
+
+def test_a_checkpoint_whose_heads_do_not_fit_is_refused(tiny, finished, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = copy_run(finished, tmp_path)
+    file = out / "training" / "checkpoint-2" / HEADS_FILE
+    heads = load_file(file)
+    key = next(k for k in sorted(heads) if k.endswith(".weight"))  # (1, hidden): one column less
+    heads[key] = heads[key][..., :-1].contiguous()
+    save_file(heads, file)
+    with pytest.raises(DeltafyError, match="do not fit this model") as err:
+        train(tiny, out, resume=True, steps=3)
+    assert "\n" not in str(err.value) and "1 of another shape" in str(err.value) and key in str(err.value)
+    del heads[key]
+    save_file(heads, file)
+    with pytest.raises(DeltafyError, match=f"1 missing.*{key}, missing"):
+        train(tiny, out, resume=True, steps=3)
+
+
+@pytest.mark.parametrize("mode", ["lora", "all"])
+def test_lora_and_all_checkpoints_resume_exactly(tiny, tmp_path, mode):
+    """lora keeps peft's adapter (and an empty heads file: no head trains); all keeps the whole
+    model, as the Trainer saves it. Either way 2 steps resumed to 3 are a run of 3."""
+    kwargs = dict(train=mode, merge_lora=False, schedule="constant", warmup=0.0)
+    train(tiny, tmp_path / "straight", steps=3, **kwargs)
+    train(tiny, tmp_path / "resumed", steps=2, **kwargs)
+    kept = set(os.listdir(tmp_path / "resumed" / "training" / "checkpoint-2"))
+    if mode == "lora":
+        assert {
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            HEADS_FILE,
+        } <= kept and "model.safetensors" not in kept
+    else:
+        assert "model.safetensors" in kept and HEADS_FILE not in kept
+    train(tiny, tmp_path / "resumed", resume=True, steps=3, **kwargs)
+    straight, resumed = read_tensors(tmp_path / "straight"), read_tensors(tmp_path / "resumed")
+    for key, value in straight.items():
+        assert resumed[key].equal(value), key
+
+
+def test_an_fsdp_checkpoint_holds_what_trains_and_resumes_exactly(tiny, tmp_path):
+    """Under FSDP the trainable tensors are gathered from their shards for a checkpoint (and the
+    base is not): 2 processes, 3 steps straight, against the same run resumed after step 2."""
+
+    def torchrun(out, *extra):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "deltafy", "train", str(tiny.delta), "--data", str(tiny.train_txt),
+            "--eval-data", str(tiny.held_txt), "--out", str(out),
+            *SHORT, "--steps", "3", "--save-every", "1", "--fsdp", "--schedule", "constant", "--warmup", "0", *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(
+            command, cwd=tmp_path, env=subprocess_env({"CUDA_VISIBLE_DEVICES": ""}), capture_output=True, text=True,
+            stdin=subprocess.DEVNULL, timeout=240,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+    straight = tmp_path / "straight"
+    torchrun(straight)
+    checkpoint = straight / "training" / "checkpoint-2"
+    assert not set(os.listdir(checkpoint)) & {"model.safetensors", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0"}
+    assert {HEADS_FILE, "optimizer.bin", "rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(checkpoint))
+    # The folder the run would have left, killed after step 2.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(checkpoint, resumed / "training" / "checkpoint-2")
+    shutil.copy(straight / "training" / "run.json", resumed / "training" / "run.json")
+    first = [r for r in read_metrics(straight) if r.get("step", 0) <= 2 and "loss" in r]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    torchrun(resumed, "--resume")
+    a, b = read_tensors(straight), read_tensors(resumed)
+    assert any(".delta." in key for key in a)
+    for key, value in a.items():
+        assert b[key].equal(value), key
+    assert [r["loss"] for r in step_records(read_metrics(resumed))] == [
+        r["loss"] for r in step_records(read_metrics(straight))
+    ]
 
 
 # -- signals and full disks -------------------------------------------------------------------------
@@ -281,18 +401,18 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tiny, tmp_path):
     assert result.steps == step + 1 and (out / "config.json").is_file()
 
 
-FSIZE_LIMIT = 200_000  # above run.json, metrics and token caches; below the tiny model's 560 kB weights
-
-
-def _limit_file_size():
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+def _limit_file_size(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
 
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one(tiny, finished, tmp_path):
     out = copy_run(finished, tmp_path)
+    # Just below the size of a checkpoint's heads (its first file), above what the run writes before it.
+    limit = (out / "training" / "checkpoint-2" / "deltafy_heads.safetensors").stat().st_size - 1
+    assert limit > 2 * max((out / "metrics.jsonl").stat().st_size, (out / "training" / "run.json").stat().st_size)
     extra = ("--steps", "4", "--save-every", "1", "--resume")
-    proc = train_cli(tiny, out, *extra, cwd=tmp_path, preexec_fn=_limit_file_size)
+    proc = train_cli(tiny, out, *extra, cwd=tmp_path, preexec_fn=functools.partial(_limit_file_size, limit))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert error_lines(proc)[0] == "resuming with --steps 2 → 4"
     (line,) = error_lines(proc)[1:]
@@ -301,6 +421,15 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tiny, finished, tmp_pa
     assert sorted(os.listdir(out / "training")) == ["checkpoint-1", "checkpoint-2", "run.json"]  # nothing half-written
     result = train(tiny, out, resume=True, steps=4)
     assert result.steps == 4 and checkpoint_names(out) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_a_failed_torch_save_is_a_failed_write(tmp_path):
+    """torch.save reports a write cut short by a full disk or a size limit without an errno."""
+    from deltafy.resume import write_failure
+
+    failure = write_failure(RuntimeError("basic_ios::clear: iostream error"), "checkpoint X", tmp_path)
+    assert failure is not None and str(failure).startswith("could not write checkpoint X: the write failed")
+    assert write_failure(RuntimeError("shape mismatch"), "checkpoint X", tmp_path) is None
 
 
 # -- training-side checks and output ------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_nan_loss_stops_with_an_error_and_keeps_the_earlier_checkpoint(tiny, tmp
     message = str(err.value)
     assert "\n" not in message and "step 2" in message and str(out / "training" / "checkpoint-1") in message
     assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-1"]
-    assert (out / "training" / "checkpoint-1" / "model.safetensors").is_file()
+    assert (out / "training" / "checkpoint-1" / "deltafy_heads.safetensors").is_file()
     assert not (out / "config.json").exists()  # no final model was written
     assert [r["step"] for r in step_records(read_metrics(out))] == [1]
     # Without a checkpoint from before, the message points to none.

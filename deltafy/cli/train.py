@@ -7,6 +7,7 @@ import typer
 from rich.markup import escape
 
 from ..recipe import TrainingDefaults, load_recipe
+from ..train import LaunchOptions
 from ._console import console, err_console, spinner_status
 from ._options import OFF, OverwriteOpt, with_model_options
 
@@ -59,6 +60,11 @@ def train_command(
             show_default=OFF,
         ),
     ] = False,
+    # A launch option, not a training one: how a run is spread over processes is no part of a recipe.
+    fsdp: Annotated[
+        bool,
+        typer.Option("--fsdp", help=LaunchOptions.model_fields["fsdp"].description + ".", show_default=OFF),
+    ] = False,
     **flags,
 ) -> None:
     """Train the DDL heads of a converted model (optionally with LoRA) and save the result.
@@ -67,7 +73,7 @@ def train_command(
 
       deltafy train ./smol-delta --data corpus/*.txt --out ./smol-trained --steps 500
       deltafy train ./smol-delta --data data.jsonl --eval-data heldout.txt --train heads+lora --lora-r 8 --out ./run2
-      torchrun --nproc_per_node 8 -m deltafy train ./big-delta --data corpus/ --out ./run3
+      torchrun --nproc_per_node 8 -m deltafy train ./big-delta --data corpus/ --out ./run3 --fsdp
       deltafy train ./smol-delta --data corpus/ --out ./run1 --resume
     """
     from ..engine import run_training
@@ -80,7 +86,7 @@ def train_command(
         from ..checkpoint import read_config
 
         base = read_config(model_dir)["deltafy"]["recipe"].get("training")
-    options = options_from(base, **flags)  # flags left unset are None: the recipe's values stay
+    options = options_from(base, fsdp=fsdp, **flags)  # flags left unset are None: the recipe's values stay
     with spinner_status(err_console) as status:
         result = run_training(
             model_dir,

@@ -1,0 +1,136 @@
+"""Sharded training (FSDP2 through the Trainer) and getting a whole model back out of it.
+
+Only the heads (and LoRA) train; the base is frozen, so after a sharded run the model to save is
+the input's base plus the trained tensors. Rank 0 rebuilds it that way: every rank gathers just
+the trained parameters (a few MB for heads, not the base's GB), and the base's tensors are read
+back from the input, bitwise as they were.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import DeltafyError
+
+
+def launched_distributed() -> bool:
+    """Whether torchrun / accelerate launch started this process (they set LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "-1")) >= 0
+
+
+def check_launch(options) -> None:
+    if options.fsdp and not launched_distributed():
+        raise DeltafyError(
+            "--fsdp shards the model over the processes of a distributed launch, and this is a single plain "
+            "process; run it as `torchrun --nproc_per_node N -m deltafy train ... --fsdp`, or drop --fsdp"
+        )
+
+
+def decoder_layer_class(model) -> str:
+    """The class FSDP wraps as one unit: a decoder layer, with its DDL heads inside it."""
+    return model.get_submodule(model.config.deltafy["layers"])[0].__class__.__name__
+
+
+def fsdp_arguments(model, options) -> dict:
+    """TrainingArguments for FSDP2 over ``model`` (before any LoRA wrapping; peft keeps the class)."""
+    if not options.fsdp:
+        return {}
+    return {
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,
+            # One unit per decoder layer: its frozen weights and its trainable heads (and LoRA)
+            # are gathered together for its forward and backward, then freed again.
+            "transformer_layer_cls_to_wrap": [decoder_layer_class(model)],
+            # The Trainer's checkpoints and the final save need whole tensors, gathered on rank 0.
+            "state_dict_type": "FULL_STATE_DICT",
+            "reshard_after_forward": True,
+            # Every rank loaded the model itself (deltafy.load); FSDP shards what each holds.
+            "cpu_ram_efficient_loading": False,
+        },
+    }
+
+
+def is_sharded(trainer) -> bool:
+    return bool(getattr(trainer, "is_fsdp_enabled", False))
+
+
+def gather_trained(model) -> dict[str, torch.Tensor]:
+    """The full value of every trainable parameter, on every rank (a collective: all ranks call it).
+
+    FSDP2 holds each parameter as a DTensor shard; ``full_tensor`` all-gathers it."""
+    gathered = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        value = param.detach()
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        gathered[name] = value.cpu().clone()
+    return gathered
+
+
+def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
+    """The model as trained, unsharded: the input loaded again (the frozen base exactly as it is
+    on disk), wrapped like the trained one (LoRA), with the trained tensors put in."""
+    from .checkpoint import load
+    from .train import select_trainable
+
+    model = load(model_dir, dtype=torch.float32)
+    model, _ = select_trainable(model, options.train, options)
+    params = dict(model.named_parameters())
+    missing = sorted(set(trained) - set(params))
+    if missing:  # the wrapping differs from the trained model's: saving would drop trained tensors
+        raise DeltafyError(f"the sharded run trained parameters the rebuilt model lacks: {', '.join(missing[:3])}")
+    with torch.no_grad():
+        for name, value in trained.items():
+            params[name].copy_(value)
+    return model
+
+
+def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
+    """``trainer_class`` that builds deltafy's optimizer and schedule itself, with FSDP kept on
+    where accelerate would drop it.
+
+    The Trainer refuses ready-made ``optimizers`` under FSDP (the optimizer must be built on the
+    parameters it is about to shard), so ``make_optimizer()`` and ``make_scheduler(optimizer)``
+    are called when it asks. accelerate turns FSDP on only for GPU-like devices: on CPU processes
+    (gloo) it would silently train with DDP, a full copy per rank; torch's FSDP2 runs on CPU, so
+    the run is switched to it, along accelerate's own FSDP code path, as a GPU run would be."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    class ShardedTrainer(trainer_class):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            if self.is_deepspeed_enabled:  # ZeRO-3 leaves rank 0 empty partitions: the final save would be wrong
+                raise DeltafyError(
+                    "deltafy train does not support DeepSpeed yet (its final save needs FSDP's gathering); "
+                    "launch with examples/accelerate_fsdp.yaml or torchrun ... --fsdp instead"
+                )
+            if state.distributed_type != DistributedType.MULTI_CPU:
+                return
+            if self.args.fsdp_plugin_args is not None:  # --fsdp
+                plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # an accelerate FSDP config
+                plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings accelerate launch exported
+            else:
+                return
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = plugin
+            self.is_fsdp_enabled = True
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = make_optimizer()
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = make_scheduler(optimizer or self.optimizer)
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
+
+    return ShardedTrainer
