@@ -13,7 +13,16 @@ from .convert import convert, summarize
 from .errors import DeltafyError
 from .folders import check_output_dir
 from .recipe import Recipe, load_recipe
-from .sources import Source, download_snapshot, is_hub_id, load_config, load_source, refuse_deltafy_folder
+from .sources import (
+    ALIASES,
+    Source,
+    download_snapshot,
+    gguf_folder,
+    is_hub_id,
+    load_config,
+    load_source,
+    refuse_deltafy_folder,
+)
 from .stream import StreamPlan, check_space, plan_stream, write_tensors
 from .verify import CheckReport, make_inputs, record_reference, self_check
 
@@ -94,8 +103,10 @@ def convert_source(
     rounding (verify.logit_tolerance). ``heads_only`` writes only the new heads, with ``source``
     pinned as the base they load onto.
 
-    A local folder of safetensors files is converted without loading the model (deltafy.stream):
-    its shards are linked or copied into ``out`` beside a shard of heads, and the self-check runs on
+    A folder of safetensors files is converted without loading the model (deltafy.stream), and so
+    are a Hub model (fetched into the HF cache) and a .gguf file or alias (through deltafy's cached
+    HF-format copy of it): the shards are linked or copied into ``out`` beside a shard of heads
+    (families whose files transformers remaps on load are loaded whole). The self-check runs on
     the written files, a decoder layer at a time when the weights are larger than LAYERWISE_ABOVE
     or ``streaming`` is True. ``streaming`` False loads the whole model, as for other sources.
     ``progress(what, advance, total)`` reports bytes written and layers checked.
@@ -107,6 +118,11 @@ def convert_source(
     if streaming is not False and device is None and is_hub_id(source):
         status(f"fetching {source} from the Hugging Face Hub")
         folder, provenance = download_snapshot(source) or (folder, None)
+    elif streaming is not False and device is None and (source in ALIASES or folder.suffix.lower() == ".gguf"):
+        if source in ALIASES or folder.is_file():
+            status(f"dequantizing {source} into deltafy's cache (once per file)")
+            cached, provenance = gguf_folder(source)
+            folder = cached or folder
     if streaming is not False and folder.is_dir() and (folder / "config.json").is_file() and device is None:
         refuse_deltafy_folder(folder, source)
         status(f"reading the config and file headers of {source}")
@@ -120,11 +136,9 @@ def convert_source(
             raise DeltafyError(f"{source} cannot be converted by streaming: {plan}; convert it without --streaming")
         status(f"loading the whole model ({plan})")
     elif streaming:
-        raise DeltafyError(
-            f"--streaming converts a folder (or Hub model) of safetensors files on the CPU, and {source} is "
-            f"{'a .gguf file' if folder.is_file() else 'not one'}; drop --streaming"
-            + (" or --device" if device else "")
-        )
+        if device:
+            raise DeltafyError("--streaming converts on the CPU; drop --device or --streaming")
+        raise DeltafyError(f"{source} has no safetensors weights on this machine to stream; drop --streaming")
     status(f"loading {source}")
     loaded: Source = load_source(source, dtype)
     model = loaded.model

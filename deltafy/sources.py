@@ -241,55 +241,86 @@ def source_tokenizer(location: str, what: str, **kwargs):
     return tokenizer
 
 
-def _clear_gguf_quantizer(model) -> None:
-    # A GGUF load is fully dequantized, but transformers keeps a quantizer marker that makes
-    # save_pretrained refuse the model; the weights themselves are plain tensors.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(model.config, attr):
-            delattr(model.config, attr)
+def _read_gguf(path: Path, what):
+    previous = _quiet_transformers()
+    try:
+        return what()
+    except DeltafyError:
+        raise
+    except Exception as err:
+        raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
+    finally:
+        _restore_transformers(previous)
 
 
-def load_gguf(path: Path, dtype: str) -> Source:
-    """Load a .gguf file, dequantized, through a cached HF-format copy (the first load is slow)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_cache(path: Path) -> tuple[Path | None, str]:
+    """deltafy's HF-format copy of a .gguf file (dequantized, fp32; made on first use) and the file's
+    SHA-256. The copy is written a tensor at a time (deltafy.gguf) where the architecture allows, so
+    making it costs one tensor of memory; otherwise transformers dequantizes the whole model and
+    saves it. None for the folder when it cannot be written (a full disk): dequantize in memory."""
 
     try:
         import gguf  # noqa: F401
     except ImportError as err:  # kept as the cause: gguf may be installed but fail to import
         raise DeltafyError("reading .gguf files needs the gguf package: pip install gguf") from err
+    from .gguf import dequantize_whole, gguf_tokenizer, plan_gguf
+
     digest = sha256_file(path)
     cached = cache_dir() / "gguf" / digest[:16]
-    if not (cached / "config.json").is_file():
-        previous = _quiet_transformers()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32, **NO_REMOTE_CODE
-            )
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **NO_REMOTE_CODE)
-        except Exception as err:
-            raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
-        finally:
-            _restore_transformers(previous)
-        _clear_gguf_quantizer(model)
-        layout_for(model.config)
-        tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+    if (cached / "config.json").is_file():
+        return cached, digest
+    plan = _read_gguf(path, lambda: plan_gguf(path))
+    streamed = not isinstance(plan, str)
+    if not streamed:
+        log.info("dequantizing %s whole: %s", path.name, plan)
+    model = None if streamed else _read_gguf(path, lambda: dequantize_whole(path))
+    layout_for(plan.config if streamed else model.config)  # an unsupported family fails before any write
+    tokenizer = _read_gguf(path, lambda: gguf_tokenizer(path))
+    tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        plan.write(tmp) if streamed else model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+    except ValueError as err:  # from plan.write: a processed tensor whose shape is not the model's
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
-            del model, tokenizer  # reloaded from the cache below; never hold two copies
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("could not cache the dequantized GGUF model: %s", _short(err))
-            source = Source(model.to(_dtype(dtype, model.config)).eval(), tokenizer)
-            source.provenance = _gguf_provenance(path, digest)
-            return source
-    source = _load_pretrained(str(cached), str(path), dtype if dtype != "auto" else "float32", local_files_only=True)
-    source.provenance = _gguf_provenance(path, digest)
-    return source
+        raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("could not cache the dequantized GGUF model: %s", _short(err))
+        return None, digest
+    return cached, digest
+
+
+def gguf_folder(source: str) -> tuple[Path | None, dict]:
+    """For a .gguf file or a bundled alias: the cached HF-format copy (gguf_cache) and the provenance
+    a conversion of it records."""
+    path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
+    cached, digest = gguf_cache(path)
+    provenance = _gguf_provenance(path, digest)
+    if source in ALIASES:
+        provenance |= {"kind": "alias", "alias": source, "package": ALIASES[source][0]}
+        if source in ALIAS_BASE_MODELS:
+            provenance["base_model"] = ALIAS_BASE_MODELS[source]
+    return cached, provenance
+
+
+def load_gguf(source: str, dtype: str) -> Source:
+    """Load a .gguf file or an alias, dequantized, through its cached HF-format copy (the first load is slow)."""
+
+    from .gguf import dequantize_whole, gguf_tokenizer
+
+    cached, provenance = gguf_folder(source)
+    if cached is None:  # no cache could be written: dequantize in memory
+        path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
+        model = _read_gguf(path, lambda: dequantize_whole(path))
+        tok = _read_gguf(path, lambda: gguf_tokenizer(path))
+        loaded = Source(model.to(_dtype(dtype, model.config)).eval(), tok)
+    else:
+        loaded = _load_pretrained(str(cached), source, dtype if dtype != "auto" else "float32", local_files_only=True)
+    loaded.provenance = provenance
+    return loaded
 
 
 def _gguf_provenance(path: Path, digest: str) -> dict:
@@ -310,19 +341,14 @@ def local_provenance(path: Path) -> dict:
 def load_source(source: str, dtype: str = "auto") -> Source:
     """Load ``source`` for conversion: a bundled alias, a .gguf file, a local folder or a Hub id."""
     if source in ALIASES:
-        path = resolve_alias(source)
-        loaded = load_gguf(path, dtype)
-        loaded.provenance |= {"kind": "alias", "alias": source, "package": ALIASES[source][0]}
-        if source in ALIAS_BASE_MODELS:
-            loaded.provenance["base_model"] = ALIAS_BASE_MODELS[source]
-        return loaded
+        return load_gguf(source, dtype)
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise DeltafyError(
                 f"{source} is a file but not a .gguf model; pass a model folder, a .gguf file or a Hub id"
             )
-        return load_gguf(path, dtype)
+        return load_gguf(source, dtype)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise DeltafyError(
@@ -354,8 +380,10 @@ HUB_SMALL_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.md"]
 
 
 def is_hub_id(source: str) -> bool:
-    path = Path(source).expanduser()
-    return not path.exists() and not source.startswith((".", "/", "~")) and bool(_HUB_ID.match(source))
+    """What load_source would fetch from the Hub: not an alias, nor anything that names a local path."""
+    if source in ALIASES or source.endswith(".gguf") or source.startswith((".", "/", "~")):
+        return False
+    return not Path(source).expanduser().exists() and bool(_HUB_ID.match(source))
 
 
 def download_snapshot(source: str) -> tuple[Path, dict] | None:
