@@ -22,7 +22,8 @@ KEEP_CHECKPOINTS = 2
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# The Trainer's optimizer state; under FSDP, accelerate's (one file, or a folder of shards).
+# The Trainer's optimizer state; under FSDP, accelerate's (one file, or a folder of shards). DeepSpeed's: see
+# _deepspeed_state.
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin", "optimizer_0")
 
 
@@ -45,7 +46,7 @@ def missing_parts(checkpoint: Path) -> list[str]:
     trains: the DDL heads (HEADS_FILE) and, for LoRA, peft's adapter beside them; ``train: all``
     and the checkpoints of earlier deltafy versions hold the whole model."""
     missing = [name for name in (TRAINER_STATE, "scheduler.pt") if not (checkpoint / name).is_file()]
-    if not any((checkpoint / name).exists() for name in OPTIMIZER_FILES):
+    if not any((checkpoint / name).exists() for name in OPTIMIZER_FILES) and not _deepspeed_state(checkpoint):
         missing.insert(1, OPTIMIZER_FILES[0])
     if (checkpoint / "adapter_config.json").is_file():
         if not any((checkpoint / name).is_file() for name in ADAPTER_FILES):
@@ -55,6 +56,13 @@ def missing_parts(checkpoint: Path) -> list[str]:
     elif not any((checkpoint / name).is_file() for name in (*MODEL_FILES, HEADS_FILE)):
         missing.append("model weights")
     return missing
+
+
+def _deepspeed_state(checkpoint: Path) -> bool:
+    """Whether DeepSpeed's engine state (its optimizer's partitions) is there: ``latest`` names the
+    folder it wrote, and is written after it."""
+    latest = checkpoint / "latest"
+    return latest.is_file() and (checkpoint / latest.read_text().strip()).is_dir()
 
 
 def newest_complete(state_dir: Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
@@ -157,7 +165,6 @@ def atomic_trainer():
                 self._staging = False
 
         def save_model(self, output_dir=None, _internal_call=False) -> None:
-            # (DeepSpeed, whose ZeRO-3 partitions this would not gather, is refused at launch.)
             if not self._staging or not frozen_base(self.model):
                 return super().save_model(output_dir, _internal_call)
             # A checkpoint of a frozen base holds what trains, not a copy of the base (GBs a save).
@@ -166,6 +173,12 @@ def atomic_trainer():
                 save_trainable(self.accelerator.unwrap_model(self.model), state, Path(output_dir))
 
         def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+            if self.is_deepspeed_enabled and frozen_base(self.model):
+                # DeepSpeed's engine state would also hold each rank's partition of the frozen base.
+                self.model_wrapped.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+                if self.args.should_save:
+                    torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+                return
             if not (self.is_fsdp_enabled and frozen_base(self.model)):
                 return super()._save_optimizer_and_scheduler(output_dir)
             # What the Trainer does under FSDP, less save_fsdp_model: another whole copy of the base.
@@ -227,9 +240,12 @@ def _name(key: str) -> str:
 def trainable_state(model, sharded: bool = False) -> dict[str, torch.Tensor]:
     """The tensors that train, whole and on the CPU, under the names of the unwrapped model. A
     sharded (FSDP) model's are gathered from their shards: every rank must call this, and only the
-    first gets them; the frozen base is never gathered."""
+    first gets them; the frozen base is never gathered. ZeRO-3's partitions are gathered too (on
+    every rank, which must all call this as well)."""
     if not sharded:
-        return {_name(n): p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        from .sharding import gather_trained
+
+        return {_name(n): value.contiguous() for n, value in gather_trained(model).items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)

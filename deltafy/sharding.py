@@ -1,4 +1,4 @@
-"""Sharded training (FSDP2 through the Trainer) and getting a whole model back out of it.
+"""Sharded training (FSDP2 or DeepSpeed ZeRO through the Trainer) and getting a whole model back out of it.
 
 Only the heads (and LoRA) train; the base is frozen, so after a sharded run the model to save is
 the input's base plus the trained tensors. Rank 0 rebuilds it that way: every rank gathers just
@@ -8,6 +8,7 @@ back from the input, bitwise as they were.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -54,22 +55,32 @@ def fsdp_arguments(model, options) -> dict:
 
 
 def is_sharded(trainer) -> bool:
-    return bool(getattr(trainer, "is_fsdp_enabled", False))
+    return bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
 
 
 def gather_trained(model) -> dict[str, torch.Tensor]:
     """The full value of every trainable parameter, on every rank (a collective: all ranks call it).
 
-    FSDP2 holds each parameter as a DTensor shard; ``full_tensor`` all-gathers it."""
+    FSDP2 holds each parameter as a DTensor shard; ``full_tensor`` all-gathers it. ZeRO-3 leaves an
+    empty tensor in each partitioned parameter; ``GatheredParameters`` fills in the trainable ones
+    for a moment (never the frozen base)."""
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     gathered = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        value = param.detach()
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        gathered[name] = value.cpu().clone()
+    with _zero3_gathered([param for _, param in trained]):
+        for name, param in trained:
+            value = param.detach()
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            gathered[name] = value.cpu().clone()
     return gathered
+
+
+def _zero3_gathered(params: list[torch.Tensor]):
+    if not any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 marks the parameters it partitions
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # read-only, on every rank
 
 
 def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
@@ -78,6 +89,7 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
     from .checkpoint import load
     from .train import select_trainable
 
+    pass
     model = load(model_dir, dtype=torch.float32)
     model, _ = select_trainable(model, options.train, options)
     params = dict(model.named_parameters())
@@ -90,9 +102,20 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
     return model
 
 
+def _leave_zero3() -> None:
+    """Under a ZeRO-3 run transformers builds every model it loads inside ``deepspeed.zero.Init``,
+    partitioned over all ranks; the rebuilt model is rank 0's alone and the run is over, so models
+    are loaded as plain ones from here on."""
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:  # no deepspeed: nothing was partitioned
+        return
+    unset_hf_deepspeed_config()
+
+
 def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
     """``trainer_class`` that builds deltafy's optimizer and schedule itself, with FSDP kept on
-    where accelerate would drop it.
+    where accelerate would drop it, and DeepSpeed (an accelerate config) let through.
 
     The Trainer refuses ready-made ``optimizers`` under FSDP (the optimizer must be built on the
     parameters it is about to shard), so ``make_optimizer()`` and ``make_scheduler(optimizer)``
@@ -105,11 +128,9 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             state = self.accelerator.state
-            if self.is_deepspeed_enabled:  # ZeRO-3 leaves rank 0 empty partitions: the final save would be wrong
-                raise DeltafyError(
-                    "deltafy train does not support DeepSpeed yet (its final save needs FSDP's gathering); "
-                    "launch with examples/accelerate_fsdp.yaml or torchrun ... --fsdp instead"
-                )
+            if self.is_deepspeed_enabled:
+                _skip_shared_memory_kernel()
+                return
             if state.distributed_type != DistributedType.MULTI_CPU:
                 return
             if self.args.fsdp_plugin_args is not None:  # --fsdp
@@ -121,6 +142,15 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
             state.distributed_type = DistributedType.FSDP
             state.fsdp_plugin = plugin
             self.is_fsdp_enabled = True
+
+        def train(self, resume_from_checkpoint=None, *args, **kwargs):
+            if resume_from_checkpoint and self.is_deepspeed_enabled:
+                # DeepSpeed reloads its module state strictly, and deltafy's checkpoints leave the frozen base out.
+                raise DeltafyError(
+                    "--resume does not work with DeepSpeed yet; start again in a new --out, or train with FSDP "
+                    "(examples/accelerate_fsdp.yaml or torchrun ... --fsdp), whose runs resume"
+                )
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
@@ -134,3 +164,16 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
             return self.lr_scheduler
 
     return ShardedTrainer
+
+
+def _skip_shared_memory_kernel() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce kernel when its comm starts
+    (minutes, and a C++ compiler); only its inference all-reduce uses it, while ZeRO training talks
+    through gloo. Marking the kernel unavailable (DeepSpeed's own probe result) skips the build."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
