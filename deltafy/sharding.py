@@ -89,7 +89,7 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
     from .checkpoint import load
     from .train import select_trainable
 
-    pass
+    _leave_zero3()
     model = load(model_dir, dtype=torch.float32)
     model, _ = select_trainable(model, options.train, options)
     params = dict(model.named_parameters())
