@@ -20,6 +20,7 @@ from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError
 from .folders import _atomic_dir
+from .placement import AUTO, auto_device_map
 from .recipe import Recipe
 from .sources import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
 
@@ -299,6 +300,13 @@ def load(
         kwargs["deltafy_base"] = str(base)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
+    if kwargs.get("device_map") in AUTO:  # offloaded heads could not train: keep them where the model runs
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            skeleton = model_class(config_class.from_pretrained(str(Path(path).expanduser())))
+        sized = dtype if isinstance(dtype, torch.dtype) else skeleton.dtype
+        kwargs["device_map"] = auto_device_map(skeleton, kwargs["device_map"], kwargs.get("max_memory"), sized)
     try:
         model, info = model_class.from_pretrained(
             str(Path(path).expanduser()),

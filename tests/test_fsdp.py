@@ -166,3 +166,20 @@ def test_offloaded_base_trains_the_heads_like_a_resident_one(tiny, tmp_path):
     assert offloaded[1].keys() == resident[1].keys()
     for key, value in resident[1].items():
         torch.testing.assert_close(offloaded[1][key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_auto_device_map_keeps_the_heads_resident(tiny, tmp_path):
+    # accelerate's "auto" map offloads whole decoder layers when memory runs short; deltafy.load keeps
+    # each layer's DDL heads where the model runs, so they train as in a resident model.
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    resident = two_head_steps(deltafy.load(tiny.delta, dtype=torch.float32), ids)
+    model = deltafy.load(
+        tiny.delta, dtype=torch.float32, device_map="auto", max_memory={"cpu": "300KB"}, offload_folder=str(tmp_path)
+    )
+    offloaded = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    assert any(".layers." in n and ".delta." not in n for n in offloaded), "the memory cap must offload layers"
+    assert not [n for n in offloaded if ".delta." in n]
+    losses, heads = two_head_steps(model, ids)
+    assert losses == pytest.approx(resident[0], abs=1e-5)
+    for key, value in resident[1].items():
+        torch.testing.assert_close(heads[key], value, atol=1e-5, rtol=0, msg=key)

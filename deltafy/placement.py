@@ -1,0 +1,55 @@
+"""Where a converted model's modules go when it is loaded with ``device_map="auto"``.
+
+accelerate's automatic map offloads whole decoder layers to the CPU or disk when they do not fit,
+and a layer's DDL heads would go with it: an offloaded parameter is reloaded from its offload
+copy at every forward, so heads placed there could never train. The map is computed as
+transformers computes it, then every site's heads are moved to the device the model runs on.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+OFFLOAD = ("cpu", "disk")
+AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
+    """accelerate's map for ``model`` (a skeleton on the meta device) under ``strategy``, as
+    transformers' from_pretrained infers it, with the DDL heads kept resident."""
+    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+    no_split = model._no_split_modules
+    if strategy == "sequential":
+        memory = get_max_memory(max_memory)
+    else:
+        memory = get_balanced_memory(
+            model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype,
+            low_zero=strategy == "balanced_low_0",
+        )  # fmt: skip
+    device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split, dtype=dtype)
+    return heads_resident(model, device_map)
+
+
+def heads_resident(model: nn.Module, device_map: dict[str, object]) -> dict[str, object]:
+    """``device_map`` with each site's heads (``...delta``) on the device the model computes on (the
+    first that is not an offload target, else the CPU), splitting an offloaded module into its
+    children, which keep its placement, down to the heads."""
+    compute = next((d for d in device_map.values() if d not in OFFLOAD), "cpu")
+    placed = dict(device_map)
+    sites = [name for name, module in model.named_modules() if name.endswith(".delta")]
+    for site in sites:
+        owner = max((k for k in placed if k == "" or site == k or site.startswith(k + ".")), key=len, default=None)
+        if owner is None or placed[owner] == compute:
+            continue
+        while owner != site:  # replace the owner by its children (and own tensors), one level down
+            device = placed.pop(owner)
+            module = model.get_submodule(owner)
+            prefix = owner + "." if owner else ""
+            for name, _ in module.named_children():
+                placed[prefix + name] = device
+            for name, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+                placed[prefix + name] = device
+            owner = next(prefix + n for n, _ in module.named_children() if (site + ".").startswith(prefix + n + "."))
+        placed[site] = compute
+    return placed
