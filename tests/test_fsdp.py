@@ -76,6 +76,12 @@ def check_sharded_run(proc, out, single, tiny) -> None:
     assert weights == ["model.safetensors"] or "model.safetensors.index.json" in {p.name for p in out.iterdir()}
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "hidden leftovers in the output"
 
+    check_heads_trained_base_unchanged(out, single, tiny)
+
+
+def check_heads_trained_base_unchanged(out, single, tiny) -> tuple[list[str], dict]:
+    """The heads trained as in the one-process run; every pretrained tensor is bitwise the input's.
+    Returns the heads' names and the input's tensors."""
     saved, start, one = read_tensors(out), read_tensors(tiny.delta), read_tensors(single)
     assert saved.keys() == start.keys()
     heads = [k for k in saved if ".delta." in k]
@@ -84,6 +90,7 @@ def check_sharded_run(proc, out, single, tiny) -> None:
         assert torch.equal(saved[key], start[key]), f"pretrained tensor {key} changed"
     for key in heads:  # all-reduce vs local sums: rounding, magnified by the gate's lr (see test_train)
         torch.testing.assert_close(saved[key], one[key], atol=1e-3, rtol=0, msg=key)
+    return heads, start
 
 
 def test_torchrun_fsdp_matches_one_process(tiny, tmp_path, single):
@@ -91,8 +98,11 @@ def test_torchrun_fsdp_matches_one_process(tiny, tmp_path, single):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = launch(torchrun, tiny, out, "--fsdp")
     check_sharded_run(proc, out, single, tiny)
+    check_loads_both_ways(out)
 
-    # Loads with deltafy and with plain transformers (the folder's own code), to the same logits.
+
+def check_loads_both_ways(out) -> None:
+    """deltafy.load and plain transformers (the folder's own code) give the same logits."""
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([[5, 17, 42, 99, 3]])
