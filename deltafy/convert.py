@@ -20,7 +20,7 @@ def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
         layers=layout.layers,
         hidden_size=int(config.hidden_size),
         sites=site_specs(config, tuple(recipe.sites)),
-        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps")},
+        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps", "gate")},
     )
     return {
         "format_version": DELTAFY_FORMAT_VERSION,
@@ -101,8 +101,9 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     t = recipe.training
     gates, others = [], []
     for _, site in delta_sites(model):
-        gates += list(site.gate.parameters())
-        others += [p for n, p in site.named_parameters() if not n.startswith("gate.")]
+        # alpha (gate: strength) moves with the gate: both set how strongly the correction acts
+        gates += [*site.gate.parameters(), *([site.strength] if site.strength is not None else [])]
+        others += [p for n, p in site.named_parameters() if not n.startswith("gate.") and n != "strength"]
     return [
         {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
         # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 DELTAFY_FORMAT_VERSION = 1
+GATES = ("logit", "strength")
 
 
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
@@ -51,10 +52,16 @@ class DeltaSpec:
     rank: int | None = None  # rank of a learned direction (None: a full d x d matrix)
     gate_bias: float = -18.0  # initial gate logit: beta = 2 sigmoid(-18) = 3e-8
     eps: float = 1e-6  # k = kr / sqrt(|kr|^2 + eps^2)
+    # "logit": the correction is off at init because beta is tiny (gate_bias). "strength": a
+    # zero-initialized scalar alpha per site multiplies it (exactly off at init, as LoRA's B = 0),
+    # so beta can start at any value and every head gets a gradient once alpha moves.
+    gate: str = "logit"
 
     def __post_init__(self):
         if self.direction not in ("sublayer", "learned"):
             raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {self.direction!r}")
+        if self.gate not in GATES:
+            raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {self.gate!r}")
         if self.rank is not None and self.direction != "learned":
             raise ValueError("deltafy: rank applies only to a learned direction")
         object.__setattr__(self, "sites", tuple(s if isinstance(s, SiteSpec) else SiteSpec(**s) for s in self.sites))
@@ -113,10 +120,13 @@ class DeltaSite(nn.Module):
         eps: float = DeltaSpec.eps,
         scale: float = SiteSpec.scale,
         context: str = SiteSpec.context,
+        gate: str = DeltaSpec.gate,
     ):
         super().__init__()
         if direction not in ("sublayer", "learned"):
             raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {direction!r}")
+        if gate not in GATES:
+            raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {gate!r}")
         if not scale > 0:
             raise ValueError(f"deltafy: the scale on a residual write must be positive, got {scale}")
         self.hidden_size = hidden_size
@@ -127,6 +137,7 @@ class DeltaSite(nn.Module):
         self.gate = nn.Linear(hidden_size, 1)
         self.target = nn.Linear(hidden_size, 1)
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
+        self.strength = nn.Parameter(torch.zeros(())) if gate == "strength" else None  # alpha
         self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
@@ -140,10 +151,13 @@ class DeltaSite(nn.Module):
         nn.init.zeros_(self.target.bias)
         if self.direction is not None:
             self.direction.reset_parameters()
+        if self.strength is not None:
+            nn.init.zeros_(self.strength)
 
     def extra_repr(self) -> str:
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
-        return f"{self.where}, direction={kind}, scale={self.scale:g}"
+        gate = "" if self.strength is None else ", gate=strength"
+        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}"
 
     def heads(self, c: torch.Tensor):
         """Gate logit g and target u per token (shaped like c without its last dim): beta = 2 sigmoid(g),
@@ -184,7 +198,10 @@ class DeltaSite(nn.Module):
         x_norm = torch.linalg.vector_norm(x, dim=-1)
         miss = torch.addcmul(dot(kr, x) * inv_n, u, x_norm, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
-        out = torch.addcmul(h, kr, (torch.sigmoid(g) * miss * inv_n).unsqueeze(-1), value=-2.0 / self.scale)
+        coef = torch.sigmoid(g) * miss * inv_n
+        if self.strength is not None:  # alpha beta (v - k.x) k: zero at init, bitwise the original
+            coef = coef * _like(self.strength, coef)
+        out = torch.addcmul(h, kr, coef.unsqueeze(-1), value=-2.0 / self.scale)
         return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -306,7 +323,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     calls: dict[int, _SiteCall] = {}
     for layer, site, stream, write in plan:
         delta = DeltaSite(
-            spec.hidden_size, spec.direction, spec.rank, spec.gate_bias, spec.eps, site.scale, site.context
+            spec.hidden_size, spec.direction, spec.rank, spec.gate_bias, spec.eps, site.scale, site.context, spec.gate
         ).to(device=device, dtype=ref.dtype)
         delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
@@ -363,7 +380,8 @@ def delta_sites(model: nn.Module):
 
 
 def mean_betas(model: nn.Module, run) -> dict[str, float]:
-    """Mean beta per site (qualified name) over whatever forwards ``run()`` performs."""
+    """Mean beta per site (qualified name) over whatever forwards ``run()`` performs; for a site
+    with a strength (gate: strength), alpha * beta, the factor its correction is applied with."""
     betas: dict[str, list[torch.Tensor]] = {}
     handles = []
     for name, site in delta_sites(model):
@@ -371,7 +389,8 @@ def mean_betas(model: nn.Module, run) -> dict[str, float]:
 
         def record(site, args, log=betas[name]):
             c = args[1].to(torch.promote_types(args[1].dtype, torch.float32))
-            log.append(2.0 * torch.sigmoid(site.heads(c)[0].detach()).float().mean())
+            beta = 2.0 * torch.sigmoid(site.heads(c)[0].detach()).float().mean()
+            log.append(beta if site.strength is None else beta * site.strength.detach().float())
 
         handles.append(site.register_forward_pre_hook(record))
     try:

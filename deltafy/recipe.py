@@ -19,6 +19,8 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -101,14 +103,28 @@ class Recipe(BaseModel):
     sites: list[Literal["attn", "mlp"]] = Field(
         default_factory=lambda: ["attn", "mlp"], min_length=1, description="which writes to convert"
     )
+    gate: Literal["logit", "strength"] = Field(
+        DeltaSpec.gate,
+        description="logit: the correction starts off through a very negative gate logit; strength: a "
+        "zero-initialized scalar per site multiplies it (exactly the original at init), and beta starts at "
+        "2*sigmoid(gate_bias)",
+    )
     gate_bias: float = Field(
         DeltaSpec.gate_bias,
-        le=-4.0,
+        le=60.0,
         ge=-60.0,
-        description="initial gate logit; beta = 2*sigmoid(-18) = 3e-8 keeps the model unchanged "
-        "even where residual norms reach 2e4 (SmolLM2)",
+        description="initial gate logit; with gate: logit at most -4 (beta = 2*sigmoid(-18) = 3e-8 keeps the "
+        "model unchanged even where residual norms reach 2e4, as in SmolLM2)",
     )
     eps: PositiveFloat = Field(DeltaSpec.eps, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
+
+    @field_validator("gate_bias")
+    @classmethod
+    def _closed_at_init(cls, value: float, info: ValidationInfo) -> float:
+        if info.data.get("gate", DeltaSpec.gate) == "logit" and value > -4.0:
+            raise ValueError("must be at most -4 with gate: logit (the correction must start off)")
+        return value
+
     training: TrainingDefaults = Field(default_factory=TrainingDefaults)
 
     @model_validator(mode="after")

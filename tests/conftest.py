@@ -118,6 +118,8 @@ def open_gates(model: torch.nn.Module, seed: int = 0) -> None:
             site.gate.weight.copy_(0.5 * torch.randn(site.gate.weight.shape, generator=gen))
             site.target.weight.copy_(0.5 * torch.randn(site.target.weight.shape, generator=gen))
             site.target.bias.fill_(0.3)
+            if site.strength is not None:  # gate: strength, zero at init
+                site.strength.fill_(1.0)
 
 
 @pytest.fixture(params=sorted(TINY_CASES))

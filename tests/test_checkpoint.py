@@ -125,6 +125,8 @@ def randomize_heads(model, seed: int = 0) -> None:
         site.gate.weight.copy_(torch.randn(site.gate.weight.shape, generator=gen) * 0.1)
         site.target.weight.copy_(torch.randn(site.target.weight.shape, generator=gen))
         site.target.bias.copy_(torch.randn(site.target.bias.shape, generator=gen))
+        if site.strength is not None:  # gate: strength, zero at init
+            site.strength.fill_(1.0)
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
