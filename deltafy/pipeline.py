@@ -18,6 +18,7 @@ from .sources import (
     Source,
     download_snapshot,
     gguf_folder,
+    is_gguf_file,
     is_hub_id,
     load_config,
     load_source,
@@ -118,11 +119,10 @@ def convert_source(
     if streaming is not False and device is None and is_hub_id(source):
         status(f"fetching {source} from the Hugging Face Hub")
         folder, provenance = download_snapshot(source) or (folder, None)
-    elif streaming is not False and device is None and (source in ALIASES or folder.suffix.lower() == ".gguf"):
-        if source in ALIASES or folder.is_file():
-            status(f"dequantizing {source} into deltafy's cache (once per file)")
-            cached, provenance = gguf_folder(source)
-            folder = cached or folder
+    elif streaming is not False and device is None and (source in ALIASES or is_gguf_file(folder)):
+        status(f"dequantizing {source} into deltafy's cache (once per file)")
+        cached, provenance = gguf_folder(source)
+        folder = cached or folder
     if streaming is not False and folder.is_dir() and (folder / "config.json").is_file() and device is None:
         refuse_deltafy_folder(folder, source)
         status(f"reading the config and file headers of {source}")

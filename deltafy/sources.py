@@ -176,6 +176,13 @@ def _needs_remote_code(err: BaseException) -> bool:
     return "trust_remote_code" in str(err)
 
 
+def _unreachable(what: str, err: BaseException) -> DeltafyError:
+    return DeltafyError(
+        f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id and your "
+        f"connection, or download it elsewhere and pass the local folder path"
+    )
+
+
 def load_config(location: str, what: str, **kwargs):
     """The config of a model to convert, checked to be a supported family (no weights are read)."""
     from transformers import AutoConfig
@@ -189,10 +196,7 @@ def load_config(location: str, what: str, **kwargs):
                 f"from a model folder; convert a model of a family transformers ships"
             ) from err
         if kwargs.get("local_files_only") is False:
-            raise DeltafyError(
-                f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id "
-                f"and your connection, or download it elsewhere and pass the local folder path"
-            ) from err
+            raise _unreachable(what, err) from err
         raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from err
     if config.model_type == "deltafy":
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
@@ -344,7 +348,7 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         return load_gguf(source, dtype)
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if not is_gguf_file(path):
             raise DeltafyError(
                 f"{source} is a file but not a .gguf model; pass a model folder, a .gguf file or a Hub id"
             )
@@ -359,7 +363,7 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
         loaded.provenance = local_provenance(path)
         return loaded
-    if source.startswith((".", "/", "~")) or source.endswith(".gguf") or not _HUB_ID.match(source):
+    if not is_hub_id(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")
     from transformers.utils.hub import resolve_revision
 
@@ -377,6 +381,10 @@ def load_source(source: str, dtype: str = "auto") -> Source:
 # What a streaming conversion fetches of a Hub model besides its safetensors shards: configs, the
 # index, tokenizer files and the card (never *.bin, *.pt, *.gguf or original-format duplicates).
 HUB_SMALL_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.md"]
+
+
+def is_gguf_file(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
 
 
 def is_hub_id(source: str) -> bool:
@@ -407,10 +415,7 @@ def download_snapshot(source: str) -> tuple[Path, dict] | None:
     except DeltafyError:
         raise
     except Exception as err:
-        raise DeltafyError(
-            f"could not fetch {source!r} from the Hugging Face Hub ({_short(err)}); check the id and your "
-            f"connection, or download it elsewhere and pass the local folder path"
-        ) from err
+        raise _unreachable(f"{source!r}", err) from err
     if not all((folder / name).is_file() for name in shards):
         return None  # no safetensors weights (e.g. only pytorch_model.bin): transformers loads those
     commit = folder.name  # snapshots/<commit>

@@ -58,8 +58,13 @@ class StreamPlan:
     @property
     def write_bytes(self) -> int:
         """Bytes of the pretrained shards as written (what the progress of writing counts)."""
-        linked = sum(f.stat().st_size for f in self.files if not self.casts(f))
-        return linked + sum(self._size(e) for e in self.entries.values() if self.casts(e.file))
+        return sum(self.written(f) for f in self.files)
+
+    def written(self, file: Path) -> int:
+        """Bytes the output's copy of ``file`` takes: the file itself, or its tensors once cast."""
+        if not self.casts(file):
+            return file.stat().st_size
+        return sum(self._size(e) for e in self.entries.values() if e.file == file)
 
     def _size(self, entry: Entry) -> int:
         if self._casts(entry):
@@ -160,7 +165,7 @@ def check_space(plan: StreamPlan, out: Path) -> None:
     """Refuse before any work when the output's filesystem cannot hold what will be copied."""
     parent = out.parent if out.parent.exists() else Path.cwd()
     device = os.stat(parent).st_dev
-    need = sum(plan._size(e) for e in plan.entries.values() if plan.casts(e.file) or os.stat(e.file).st_dev != device)
+    need = sum(plan.written(f) for f in plan.files if plan.casts(f) or os.stat(f).st_dev != device)
     need += sum(t.numel() * t.element_size() for t in head_tensors(plan.model).values()) + (1 << 20)
     free = shutil.disk_usage(parent).free
     if need > free:
