@@ -181,11 +181,7 @@ def _save_config(model, folder: Path) -> None:
 
 def head_tensors(model) -> dict[str, torch.Tensor]:
     """The DDL heads under their names in the full checkpoint."""
-    return {
-        f"{name}.{key}": tensor.detach().contiguous().cpu()
-        for name, site in modeling_deltafy.delta_sites(model)
-        for key, tensor in site.state_dict().items()
-    }
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in modeling_deltafy.delta_tensors(model).items()}
 
 
 def _save_heads(model, folder: Path) -> None:

@@ -8,7 +8,15 @@ from torch import nn
 
 from .architectures import layout_for, site_specs
 from .errors import DeltafyError
-from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, DeltaSpec, apply_deltafy, delta_sites, remove_deltafy
+from .modeling_deltafy import (
+    DELTAFY_FORMAT_VERSION,
+    DeltaSite,
+    DeltaSpec,
+    apply_deltafy,
+    delta_sites,
+    delta_tensors,
+    remove_deltafy,
+)
 from .recipe import Recipe, load_recipe
 
 
@@ -20,7 +28,7 @@ def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
         layers=layout.layers,
         hidden_size=int(config.hidden_size),
         sites=site_specs(config, tuple(recipe.sites)),
-        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps", "gate")},
+        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps", "gate", "channels")},
     )
     return {
         "format_version": DELTAFY_FORMAT_VERSION,
@@ -75,11 +83,19 @@ class SiteSummary:
     sites_per_layer: int
     params_added: int
     params_base: int
+    channels: int = 1
+    hidden_size: int = 0
+
+    @property
+    def extra_stream_values(self) -> int:
+        """Values per token the expanded stream holds beyond the original's one stream (activation
+        memory, per layer boundary and per saved activation in training; the KV cache is unchanged)."""
+        return (self.channels - 1) * self.hidden_size
 
 
 def summarize(model: nn.Module) -> SiteSummary:
     sites = list(delta_sites(model))
-    added = sum(p.numel() for _, s in sites for p in s.parameters())
+    added = sum(t.numel() for t in delta_tensors(model).values())
     total = sum(p.numel() for p in model.parameters())
     spec = model.config.deltafy
     return SiteSummary(
@@ -87,6 +103,8 @@ def summarize(model: nn.Module) -> SiteSummary:
         sites_per_layer=len(spec["sites"]),
         params_added=added,
         params_base=total - added,
+        channels=int(spec.get("channels", 1)),
+        hidden_size=int(spec["hidden_size"]),
     )
 
 
@@ -104,6 +122,9 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
         # alpha (gate: strength) moves with the gate: both set how strongly the correction acts
         gates += [*site.gate.parameters(), *([site.strength] if site.strength is not None else [])]
         others += [p for n, p in site.named_parameters() if not n.startswith("gate.") and n != "strength"]
+    for name, module in model.named_modules():  # an expanded stream's final read
+        if name.endswith("delta.final"):
+            others += list(module.parameters())
     return [
         {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
         # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of

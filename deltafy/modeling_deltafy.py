@@ -12,6 +12,14 @@
 # v: scalar target for the readout k^T x, in units of the stream's RMS;
 # beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, normalized to unit length.
 # The gate bias starts very negative, so a fresh conversion behaves like the original model.
+#
+# The expanded state (the paper's d_v > 1, "channels"): the stream is X = [x_0 ... x_{d_v-1}], d_v
+# copies of the embedding at the first layer, stacked along the batch dimension so that the layers'
+# own additions act on every channel. Each sublayer reads the view x = sum_j r_j x_j (read weights
+# r summing to 1), receives the write h on every channel, and the correction per channel is
+#     x_j <- x_j + m*h + beta * (v_j - k^T x_j) * k         with a vector target v in R^{d_v};
+# the last layer hands the final norm the view of its own read. Channels that agree read exactly as
+# that stream, so at beta = 0 the expanded model is the original bitwise.
 from __future__ import annotations
 
 import contextlib
@@ -56,6 +64,7 @@ class DeltaSpec:
     # zero-initialized scalar alpha per site multiplies it (exactly off at init, as LoRA's B = 0),
     # so beta can start at any value and every head gets a gradient once alpha moves.
     gate: str = "logit"
+    channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
 
     def __post_init__(self):
         if self.direction not in ("sublayer", "learned"):
@@ -64,6 +73,8 @@ class DeltaSpec:
             raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {self.gate!r}")
         if self.rank is not None and self.direction != "learned":
             raise ValueError("deltafy: rank applies only to a learned direction")
+        if not (isinstance(self.channels, int) and self.channels >= 1):
+            raise ValueError(f"deltafy: channels must be a positive integer, got {self.channels!r}")
         object.__setattr__(self, "sites", tuple(s if isinstance(s, SiteSpec) else SiteSpec(**s) for s in self.sites))
 
     @classmethod
@@ -103,12 +114,52 @@ class DeltaDirection(nn.Module):
         return F.linear(F.linear(c, _like(self.down.weight, c)), _like(self.up.weight, c))
 
 
+class DeltaRead(nn.Module):
+    """Read weights r of an expanded stream X (its d_v channels stacked along dim 0): the view
+    ``sum_j r_j x_j`` with the weights summing to 1, which keeps the view at the scale the pretrained
+    layers were trained on. Computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``, so that channels that
+    agree read as exactly that stream; ``weight`` holds r_1 .. r_{d_v-1} (r_0 is the rest).
+
+    The weights start distinct, r_j = (2j + 1) / d_v^2: the channels start equal, so any weights
+    read the same view, but equal weights would hand every channel the same gradient and keep them
+    copies of one another for good."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        if channels < 2:
+            raise ValueError(f"deltafy: an expanded stream has at least 2 channels, got {channels}")
+        self.channels = channels
+        self.weight = nn.Parameter(torch.empty(channels - 1))
+        self.reset_parameters()
+        self._is_hf_initialized = True
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        d_v = self.channels
+        self.weight.copy_(torch.arange(3, 2 * d_v, 2, dtype=torch.float64) / d_v**2)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x)
+        work = torch.promote_types(x.dtype, torch.float32)
+        channels = x.unflatten(0, (self.channels, -1))
+        first = channels[0].to(work)
+        view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(work) - first, dims=1)
+        return view.to(x.dtype)
+
+
 class DeltaSite(nn.Module):
     """The DDL heads of one residual write (a site): gate beta, target v, optional direction k.
 
     Attached to its decoder layer as ``layer.delta[name]``. ``forward(x, c, h)`` returns the write
     h' that the layer adds in place of h; the surgery (_SiteCall) calls it with the stream x, the
-    context c and the write h of the layer's own modules.
+    context c and the write h of the layer's own modules. With ``channels`` d_v > 1, x holds the
+    d_v channels of the expanded stream along dim 0 and h' a write for each; the site whose stream
+    module it is first to use holds the read weights of that module's view (``read``).
     """
 
     def __init__(
@@ -121,6 +172,8 @@ class DeltaSite(nn.Module):
         scale: float = SiteSpec.scale,
         context: str = SiteSpec.context,
         gate: str = DeltaSpec.gate,
+        channels: int = DeltaSpec.channels,
+        read: bool = False,
     ):
         super().__init__()
         if direction not in ("sublayer", "learned"):
@@ -134,10 +187,12 @@ class DeltaSite(nn.Module):
         self.eps = float(eps)
         self.scale = float(scale)
         self.context = context
+        self.channels = int(channels)
         self.gate = nn.Linear(hidden_size, 1)
-        self.target = nn.Linear(hidden_size, 1)
+        self.target = nn.Linear(hidden_size, self.channels)  # v: one target per channel
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
         self.strength = nn.Parameter(torch.zeros(())) if gate == "strength" else None  # alpha
+        self.read = DeltaRead(self.channels) if read else None
         self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
@@ -153,22 +208,30 @@ class DeltaSite(nn.Module):
             self.direction.reset_parameters()
         if self.strength is not None:
             nn.init.zeros_(self.strength)
+        if self.read is not None:
+            self.read.reset_parameters()
 
     def extra_repr(self) -> str:
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
         gate = "" if self.strength is None else ", gate=strength"
-        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}"
+        channels = "" if self.channels == 1 else f", channels={self.channels}"
+        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}"
 
     def heads(self, c: torch.Tensor):
         """Gate logit g and target u per token (shaped like c without its last dim): beta = 2 sigmoid(g),
         and the target v = u rms(x) is in units of the stream's rms, so one learning rate fits models of
         any scale. Both read the unit-length context c/|c| (an Adam step of size lr then moves them by at
         most lr*sqrt(d), whatever the model's norms); dividing the dot products by |c| normalizes c for
-        free. Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider)."""
+        free. Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider); with d_v channels u
+        has a leading channel dimension."""
         gate, target, dot = self.gate, self.target, torch.linalg.vecdot
         inv_norm_c = torch.rsqrt(dot(c, c) + 1e-6)
         g = torch.addcmul(_like(gate.bias, c), dot(c, _like(gate.weight, c)), inv_norm_c)
-        u = torch.addcmul(_like(target.bias, c), dot(c, _like(target.weight, c)), inv_norm_c)
+        if self.channels == 1:
+            u = torch.addcmul(_like(target.bias, c), dot(c, _like(target.weight, c)), inv_norm_c)
+        else:
+            u = torch.addcmul(_like(target.bias, c), F.linear(c, _like(target.weight, c)), inv_norm_c.unsqueeze(-1))
+            u = u.movedim(-1, 0)
         return g, u, inv_norm_c
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -185,6 +248,8 @@ class DeltaSite(nn.Module):
         work = torch.promote_types(dtype, torch.float32)
         if not x.dtype == c.dtype == dtype == work:
             x, c, h = x.to(work), c.to(work), h.to(work)
+        if self.channels > 1:  # x_j along a leading dim; k, beta and h are shared by the channels
+            x = x.unflatten(0, (self.channels, -1))
         dot = torch.linalg.vecdot
         g, u, inv_norm_c = self.heads(c)
         # k = kr / n with n = sqrt(|kr|^2 + eps^2): the sublayer's own write (kr = h, with the
@@ -202,6 +267,8 @@ class DeltaSite(nn.Module):
         if self.strength is not None:  # alpha beta (v - k.x) k: zero at init, bitwise the original
             coef = coef * _like(self.strength, coef)
         out = torch.addcmul(h, kr, coef.unsqueeze(-1), value=-2.0 / self.scale)
+        if self.channels > 1:
+            out = out.flatten(0, 1)
         return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -229,52 +296,91 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
 
 
+def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with ``x`` in place of its first tensor (the stream)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (x,) + args[1:], kwargs
+    return args, {**kwargs, "hidden_states": x}
+
+
+def _output_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_output(output, h: torch.Tensor):
+    return (h,) + output[1:] if isinstance(output, tuple) else h
+
+
 class _SiteCall:
     """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
     forward (or the wrapper someone installed before us), then the capture of x and c for every
     site whose stream it is, and the write ``h <- site(x, c, h)`` of every site whose write it is
     (OPT's post-LN attention is both).
 
+    With an expanded stream (d_v ``channels``) it also carries the stream's channels: the first
+    decoder layer turns its input into d_v copies (``expand``), a stream module runs on the view
+    of its ``read`` instead of on the channels, and the last layer returns the view of the final
+    read (``final``) to the model's final norm.
+
     An instance attribute rather than forward hooks: torch.compile traces it as plain code, and a
-    module without hooks keeps torch's fast call path. ``enabled`` False (deltafy.disabled) makes
-    it a pass-through; so does an empty site list (deltafy.unconvert under someone else's wrapper).
+    module without hooks keeps torch's fast call path. ``enabled`` False (deltafy.disabled) turns the
+    corrections off: a pass-through, or for an expanded stream every channel receiving the write as
+    it is. An empty call (deltafy.unconvert under someone else's wrapper) is a pass-through.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, channels: int = 1):
         self.module = module
         self.inner = module.__dict__.get("forward")  # e.g. accelerate's hooks; they keep running inside
         self.captures: list[DeltaSite] = []
         self.writes: list[DeltaSite] = []
+        self.channels = channels
+        self.expand = False
+        self.read: DeltaRead | None = None
+        self.final: DeltaRead | None = None
         self.enabled = True
 
-    def __call__(self, *args, **kwargs):
+    def _forward(self, *args, **kwargs):
         if self.inner is None:
-            output = type(self.module).forward(self.module, *args, **kwargs)
-        else:
-            output = self.inner(*args, **kwargs)
-        if not self.enabled:
-            return output
-        stash = _stash()
-        for site in self.captures:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.inner(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not (self.enabled or self.channels > 1) or not (self.captures or self.writes or self.expand or self.final):
+            return self._forward(*args, **kwargs)
+        x = None
+        if self.expand or self.read is not None:
             x = _first_tensor(args, kwargs)
-            stash[id(site)] = (x, x if site.context == "input" else output[0] if isinstance(output, tuple) else output)
+            if self.expand:  # the stream starts as d_v copies of the embedding
+                x = x.repeat(self.channels, *(1,) * (x.dim() - 1))
+            args, kwargs = _with_first(args, kwargs, x if self.read is None else self.read(x))
+        output = self._forward(*args, **kwargs)
+        stash = _stash()
+        for site in self.captures if self.enabled else ():
+            stream = x if x is not None else _first_tensor(args, kwargs)
+            context = _first_tensor(args, kwargs) if site.context == "input" else _output_tensor(output)
+            stash[id(site)] = (stream, context)
         for site in self.writes:
+            h = _output_tensor(output)
+            if not self.enabled:  # every channel receives the write as it is
+                output = _with_output(output, h.repeat(self.channels, *(1,) * (h.dim() - 1)))
+                continue
             try:
-                x, c = stash.pop(id(site))
+                stream, context = stash.pop(id(site))
             except KeyError:
                 raise RuntimeError(
                     "deltafy: a residual write ran before its stream was captured; the site map does "
                     "not match this model's layer code"
                 ) from None
-            if isinstance(output, tuple):
-                output = (site(x, c, output[0]),) + output[1:]
-            else:
-                output = site(x, c, output)
+            output = _with_output(output, site(stream, context, h))
+        if self.final is not None:
+            output = _with_output(output, self.final(_output_tensor(output)))
         return output
 
     def extra_repr(self) -> str:
         """The module's own extra_repr plus the sites it carries: print(model) shows the surgery."""
         roles = [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
+        roles += ["expands the stream"] * self.expand + ["reads the view"] * (self.read is not None)
+        roles += ["final view"] * (self.final is not None)
         own = type(self.module).extra_repr(self.module)
         return ", ".join(filter(None, (own, "deltafy: " + ", ".join(roles) if roles else "")))
 
@@ -320,20 +426,48 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     # real heads: their init values are what the conversion writes. Inside transformers' loading
     # context the heads are created on meta like every other parameter, and loaded.
     device = None if ref.is_meta else ref.device
+    d_v = spec.channels
     calls: dict[int, _SiteCall] = {}
+
+    def call(module: nn.Module) -> _SiteCall:
+        if id(module) not in calls:
+            calls[id(module)] = _SiteCall(module, d_v)
+        return calls[id(module)]
+
     for layer, site, stream, write in plan:
+        # the first site to read a stream module holds the read weights of its view (parallel layers
+        # with one norm: both sublayers read one view)
+        reads = d_v > 1 and stream is not layer and id(stream) not in calls
         delta = DeltaSite(
-            spec.hidden_size, spec.direction, spec.rank, spec.gate_bias, spec.eps, site.scale, site.context, spec.gate
+            spec.hidden_size,
+            spec.direction,
+            spec.rank,
+            spec.gate_bias,
+            spec.eps,
+            site.scale,
+            site.context,
+            spec.gate,
+            channels=d_v,
+            read=reads,
         ).to(device=device, dtype=ref.dtype)
         delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
         layer.delta[site.name] = delta
-        calls.setdefault(id(stream), _SiteCall(stream)).captures.append(delta)
-        calls.setdefault(id(write), _SiteCall(write)).writes.append(delta)
-    for call in calls.values():
-        call.module.forward = call
-        call.module.extra_repr = call.extra_repr
+        call(stream).captures.append(delta)
+        call(write).writes.append(delta)
+        if reads:
+            call(stream).read = delta.read
+    if d_v > 1:
+        layers = _layers(model, spec.layers)
+        if any(site.stream == "" for site in spec.sites):
+            raise ValueError("deltafy: an expanded stream needs every site's stream to be a module inside the layer")
+        call(layers[0]).expand = True
+        layers[-1].delta["final"] = DeltaRead(d_v).to(device=device, dtype=ref.dtype)
+        call(layers[-1]).final = layers[-1].delta["final"]
+    for site_call in calls.values():
+        site_call.module.forward = site_call
+        site_call.module.extra_repr = site_call.extra_repr
     model._deltafy_calls = list(calls.values())
     return model
 
@@ -351,7 +485,7 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
             if call.inner is not None:
                 module.forward = call.inner
         else:  # a wrapper installed after ours still calls it: leave it there as a pass-through
-            call.captures, call.writes = [], []
+            call.captures, call.writes, call.expand, call.read, call.final = [], [], False, None, None
     for module in model.modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             del module.delta
@@ -377,6 +511,17 @@ def delta_sites(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, DeltaSite):
             yield name, module
+
+
+def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor deltafy added (the sites' heads and an expanded stream's final read), by its name
+    in the model's state dict."""
+    return {
+        f"{prefix}{'.' if prefix else ''}delta.{key}": tensor
+        for prefix, module in model.named_modules()
+        if isinstance(getattr(module, "delta", None), nn.ModuleDict)
+        for key, tensor in module.delta.state_dict().items()
+    }
 
 
 def mean_betas(model: nn.Module, run) -> dict[str, float]:

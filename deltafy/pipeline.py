@@ -43,6 +43,8 @@ class Plan:
     params_base: int
     params_added: int
     recipe: Recipe
+    extra_stream_values: int = 0  # expanded state: values per token the stream holds beyond one stream
+    element_size: int = 4  # bytes per value in the model's dtype
 
 
 @dataclass
@@ -65,6 +67,8 @@ def plan_for(model: torch.nn.Module) -> Plan:
         params_base=summary.params_base,
         params_added=summary.params_added,
         recipe=Recipe.model_validate(spec["recipe"]),
+        extra_stream_values=summary.extra_stream_values,
+        element_size=next(model.parameters()).element_size(),
     )
 
 

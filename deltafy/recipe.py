@@ -31,6 +31,7 @@ DEFAULT_RECIPE = "ddl-scalar"
 SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
 # Two d x r matrices per site: past d (at most 16384 in today's decoders) a full d x d head is smaller.
 RANK_MAX = 16384
+CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the stream's activations
 
 
 class TrainingDefaults(BaseModel):
@@ -117,6 +118,13 @@ class Recipe(BaseModel):
         "model unchanged even where residual norms reach 2e4, as in SmolLM2)",
     )
     eps: PositiveFloat = Field(DeltaSpec.eps, description="epsilon in k = h / sqrt(|h|^2 + eps^2)")
+    channels: PositiveInt = Field(
+        DeltaSpec.channels,
+        le=CHANNELS_MAX,
+        description="d_v, the channels of the residual stream: 1 is the scalar DDL, more the paper's expanded "
+        "state (a d x d_v stream that every sublayer reads through its own read weights; each channel costs "
+        "one more stream's worth of activation memory)",
+    )
 
     @field_validator("gate_bias")
     @classmethod

@@ -137,11 +137,15 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
 
         return pre, post
 
+    channels = spec.get("channels", 1)
     for i, layer in enumerate(layers):
         pre, post = recorder((i, ""), "in")
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         pre, post = recorder((i, ""), "out")
-        handles.append(layer.register_forward_hook(post))
+        if channels > 1 and i == len(layers) - 1:  # the stream's channels, before the final read's view
+            handles.append(layer.delta["final"].register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            handles.append(layer.register_forward_hook(post))
         for site in spec["sites"]:
             stream = layer.get_submodule(site["stream"]) if site.get("stream") else layer
             pre, _ = recorder((i, site["name"]), "x")
@@ -198,6 +202,8 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
 
     for i in range(len(layers)):
         x_in, out = one(i, "", "in"), one(i, "", "out")
+        if i == 0 and channels > 1:  # the stream's channels start as copies of the first layer's input
+            x_in = x_in.repeat(channels, 1)
         sites = spec["sites"]
         if spec["parallel"]:
             total, magnitude = x_in.clone(), x_in.abs()

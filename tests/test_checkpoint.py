@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 import deltafy
 from deltafy.checkpoint import MODELING_FILE
-from deltafy.modeling_deltafy import delta_sites
+from deltafy.modeling_deltafy import DeltaRead, delta_sites
 from deltafy.pipeline import convert_source
 
 SOURCE_CASES = [
@@ -47,6 +47,9 @@ NONTRIVIAL_CASES = [
     ("opt-post-ln", "ddl-scalar"),
     ("falcon-new-2ln", "ddl-learned"),
     ("granite", "ddl-learned"),
+    ("llama-tied", "ddl-expanded"),
+    ("gpt_neox-parallel", "ddl-expanded"),
+    ("opt-post-ln", "ddl-expanded"),
 ]
 NEW_TOKENS = 16
 
@@ -127,6 +130,9 @@ def randomize_heads(model, seed: int = 0) -> None:
         site.target.bias.copy_(torch.randn(site.target.bias.shape, generator=gen))
         if site.strength is not None:  # gate: strength, zero at init
             site.strength.fill_(1.0)
+    for module in model.modules():  # an expanded stream's reads
+        if isinstance(module, DeltaRead):
+            module.weight.copy_(torch.rand(module.weight.shape, generator=gen) / module.channels)
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:

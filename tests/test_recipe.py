@@ -152,6 +152,8 @@ def test_unknown_nested_key_is_named_with_its_path(tmp_path):
         ("name: x\ntraining:\n  seed: 4294967296\n", ["training.seed: Input should be less than or equal to"]),
         ("name: x\ntraining:\n  seq_len: 1\n", ["training.seq_len: Input should be greater than or equal to 2"]),
         ("name: x\ntraining:\n  lora_r: 100000000\n", ["training.lora_r"]),
+        ("name: x\nchannels: 0\n", ["channels: Input should be greater than 0"]),
+        ("name: x\nchannels: 17\n", ["channels: Input should be less than or equal to 16"]),
     ],
     ids=[
         "direction-foo",
@@ -178,6 +180,8 @@ def test_unknown_nested_key_is_named_with_its_path(tmp_path):
         "seed-above-32-bits",
         "seq-len-1",
         "lora-r-huge",
+        "channels-zero",
+        "channels-above-16",
     ],
 )
 def test_bad_values_raise_one_line_error(tmp_path, body, fragments):

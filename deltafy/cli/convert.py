@@ -26,6 +26,14 @@ def _print_plan(plan: Plan) -> None:
     console.print(table)
     share = 100 * plan.params_added / max(plan.params_base, 1)
     console.print(f"parameters: {plan.params_base:,} base + {plan.params_added:,} DDL heads ({share:.3f}%)")
+    if plan.extra_stream_values:
+        d_v = plan.recipe.channels
+        extra = plan.extra_stream_values * plan.element_size
+        console.print(
+            f"expanded state: the stream carries {d_v} channels, {plan.extra_stream_values:,} more values "
+            f"({extra / 1024:.1f} KiB) per token than the original's, between sublayers and in each copy of it "
+            f"that training keeps for the backward pass; attention and the KV cache read one view, unchanged"
+        )
 
 
 def convert_command(
