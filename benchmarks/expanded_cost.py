@@ -118,9 +118,7 @@ def main() -> None:
     for name in models:
         f = statistics.median(times[name]["forward"]) / statistics.median(times["original"]["forward"])
         s = statistics.median(times[name]["step"]) / statistics.median(times["original"]["step"])
-        print(
-            f"{name:26s} {memory[name] / tokens / 1024:16.1f} {memory[name] / base:11.2f}x {f:7.2f}x {s:7.2f}x"
-        )
+        print(f"{name:26s} {memory[name] / tokens / 1024:16.1f} {memory[name] / base:11.2f}x {f:7.2f}x {s:7.2f}x")
     print(
         f"the stream between sublayers: {d} values per token originally, {args.channels * d} with "
         f"d_v = {args.channels} (+{(args.channels - 1) * d * 4 / 1024:.1f} KiB per token in fp32); "

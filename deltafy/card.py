@@ -158,7 +158,19 @@ def _conversion(spec: dict) -> list[str]:
         f"- layout: {spec['layout']}; sites per layer: {', '.join(s['name'] for s in spec['sites'])}",
         f"- initial gate logit {spec['gate_bias']} (β = {beta:.2e})"
         + ("; a per-site strength α, zero at init, scales the correction" if spec.get("gate") == "strength" else ""),
+        *_expanded(spec),
         "",
+    ]
+
+
+def _expanded(spec: dict) -> list[str]:
+    d_v = spec.get("channels", 1)
+    if d_v == 1:
+        return []
+    return [
+        f"- expanded state: the residual stream carries {d_v} channels ({d_v} × {spec['hidden_size']} values per "
+        f"token); each sublayer reads a view of them through its own read weights, and the final norm reads the "
+        f"last layer's view (attention and its KV cache are unchanged)"
     ]
 
 

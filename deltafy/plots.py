@@ -149,3 +149,22 @@ def write_training_figures(out: str | Path, betas: Mapping | None = None) -> lis
         except DeltafyError as err:
             log.warning("no β figure: %s", err)
     return written
+
+
+def plot_bench(curves: Mapping[str, list], path: str | Path, title: str = "") -> Path:
+    """Held-out loss against step, one line per arm of ``deltafy bench`` (``{arm: [(step, loss), ...]}``,
+    the mean over its seeds), all on the same held-out text and so on one axis."""
+    drawn = {arm: points for arm, points in curves.items() if points}
+    if not drawn:
+        raise DeltafyError("the bench has no held-out losses to draw")
+    fig = _figure()
+    ax = fig.add_subplot()
+    for arm, points in drawn.items():
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", markersize=3, linewidth=1.6, label=arm)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss (nats per token)")
+    ax.set_title(f"Held-out loss · {title}" if title else "Held-out loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="arm")
+    return _save(fig, Path(path))

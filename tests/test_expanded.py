@@ -77,7 +77,6 @@ def test_every_family_decodes_from_its_cache_as_a_full_forward_computes(case):
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("case", ["llama-tied", "gemma2", "gpt_neox-parallel", "opt-post-ln"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_conversion_is_the_original_bitwise(case, dtype):
     model, reference, _ = _expanded(case, dtype)
@@ -178,3 +177,11 @@ def test_summary_counts_the_reads_and_the_extra_stream():
 def test_spec_refuses_a_bad_channel_count():
     with pytest.raises(ValueError, match="channels must be a positive integer"):
         DeltaSpec(layers="model.layers", hidden_size=8, sites=(), channels=0)
+
+
+def test_saved_checkpoint_says_what_the_stream_carries(tmp_path):
+    model, _, _ = _expanded("llama-tied")
+    deltafy.save(model, tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "expanded state: the residual stream carries 4 channels (4 × 64 values per token)" in card
+    assert deltafy.load_recipe(str(tmp_path / "out" / "recipe.yaml")).channels == 4

@@ -405,13 +405,17 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     held.write_text(tiny.held_txt.read_text()[:110])
     assert 32 <= len(token_stream([str(held)], tiny.tokenizer, use_cache=False)) < 64
     out = tmp_path / "run"
+    held_too = tmp_path / "held-too.txt"  # a second path after --eval-data, as a shell glob gives it
+    held_too.write_text(held.read_text())
     proc = run_cli(
-        "train", tiny.delta, "--data", tiny.train_txt, "--eval-data", held, "--out", out,
+        "train", tiny.delta, "--data", tiny.train_txt, "--eval-data", held, held_too, "--out", out,
         "--recipe", recipe, "--save-every", "2",  # a flag beats the recipe
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "after 2 steps" in proc.stdout
+    record = json.loads((out / "training" / "run.json").read_text())
+    assert record["eval_sources"] == [str(held), str(held_too)] and record["data_sources"] == [str(tiny.train_txt)]
     steps = step_records(read_metrics(out))
     assert [r["step"] for r in steps] == [1, 2]
     # One step is batch_size blocks of seq_len tokens: an epoch is ceil(32-token blocks / 2) steps.

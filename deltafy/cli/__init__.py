@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from ..errors import DeltafyError
 from ._console import console, err_console, state
+from .bench import bench_command
 from .cache import cache_app
 from .convert import convert_command
 from .eval import eval_command
@@ -51,6 +52,7 @@ app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
 app.command("recipes")(recipes_command)
 app.command("push", no_args_is_help=True)(push_command)
+app.command("bench", no_args_is_help=True, context_settings=_MANY)(bench_command)
 app.add_typer(cache_app, name="cache")
 
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = sys.argv[1:] if argv is None else argv
     state.debug = "--debug" in args
+    state.argv = list(args)
     # deltafy shows its own progress; third-party tqdm bars would interleave with it.
     os.environ.setdefault("TQDM_DISABLE", "1")
     from transformers.utils import logging as hf_logging

@@ -111,3 +111,29 @@ def with_model_options(model: type[BaseModel], panel: str | None = None, spellin
         return func
 
     return decorate
+
+
+DATA_OPTIONS, EVAL_OPTIONS = ("--data", "-d"), ("--eval-data",)
+
+
+def extra_text_paths(ctx) -> tuple[list[str], list[str]]:
+    """Paths past an option's first value (a shell glob expands ``--eval-data held/*.md`` into many),
+    as (training text, held-out text): each belongs to the option it follows on the command line.
+    Held-out text read as training text would make every held-out number meaningless."""
+    from ..errors import DeltafyError
+    from ._console import state
+
+    data, held = [], []
+    pending = list(ctx.args)
+    owner = None
+    for token in state.argv if pending else ():
+        if token.startswith("-"):
+            owner = token.split("=", 1)[0]
+        elif pending and token == pending[0]:
+            if owner in DATA_OPTIONS:
+                data.append(pending.pop(0))
+            elif owner in EVAL_OPTIONS:
+                held.append(pending.pop(0))
+    if pending:
+        raise DeltafyError(f"unexpected argument {pending[0]!r}; paths of text follow --data or --eval-data")
+    return data, held

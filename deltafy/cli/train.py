@@ -9,7 +9,7 @@ from rich.markup import escape
 from ..recipe import TrainingDefaults, load_recipe
 from ..train import LaunchOptions
 from ._console import console, err_console, spinner_status
-from ._options import OFF, OverwriteOpt, with_model_options
+from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
 
 
 # Every training setting is a flag generated from TrainingDefaults, the model that also validates
@@ -79,7 +79,10 @@ def train_command(
     from ..engine import run_training
     from ..train import options_from
 
-    data = list(data) + list(ctx.args)  # `--data corpus/*.txt`: the shell expands one flag into many paths
+    extra_data, extra_eval = extra_text_paths(ctx)  # `--data corpus/*.txt`: one flag, many paths
+    data = list(data) + extra_data
+    if eval_data is not None or extra_eval:
+        eval_data = list(eval_data or []) + extra_eval
     if recipe:
         base = load_recipe(recipe).training.model_dump()
     else:

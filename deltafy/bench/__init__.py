@@ -1,0 +1,428 @@
+"""``deltafy bench``: DDL arms against LoRA, fairly. Every arm starts from one conversion of the same
+source, trains on the same data in the same order for the same token budget at the best learning
+rate of a small sweep (chosen on a share of the training text, never the reported held-out text),
+over several seeds, and is reported on the same held-out text.
+
+Layout of the bench folder: ``models/<recipe>/`` (the converted starting points), ``runs/<arm>/
+lr-<m>x/`` (the sweep, seed 0, validated on the held-out share of ``data``), ``runs/<arm>/seed-<k>/``
+(evaluated on ``eval_data``), ``bench.json`` (rewritten after every run: what resumes) and
+``bench.png``. A sweep run keeps only its metrics and run record: its model was only ever scored.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import DeltafyError
+from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
+from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
+from .runs import curve, memory_kind, train_run
+
+DEFAULT_LRS = (0.3, 1.0, 3.0)
+
+Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
+
+
+@dataclass
+class Row:
+    """One arm in the table: means over its seeds."""
+
+    arm: str
+    trainable_params: int
+    seeds: int
+    loss_before: float
+    loss_after: float
+    delta: float
+    delta_se: float | None  # None for one seed
+    lr_multiplier: float
+    lr: float
+    lora_r: int | None
+    seconds_per_step: float
+    peak_memory_bytes: int | None
+    lr_at_edge: bool  # the best learning rate is the smallest or largest swept: the sweep may be too narrow
+
+
+@dataclass
+class BenchResult:
+    out: Path
+    rows: list[Row]
+    records: list[dict]  # one per arm and seed in the table
+    sweep: list[dict]
+    memory: str | None  # "peak RSS", "peak CUDA memory", or None where memory was not measured
+    json_path: Path
+    plot_path: Path | None
+    trained: int = 0  # runs trained by this call (a resumed bench skips the finished ones)
+    settings: dict = field(default_factory=dict)
+
+
+def run_bench(
+    source: str,
+    data: list[str],
+    eval_data: list[str],
+    out: str | Path,
+    *,
+    arms: list[str] | str | None = None,
+    steps: int = 100,
+    seeds: int = 3,
+    lrs: list[float] | tuple[float, ...] = DEFAULT_LRS,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    eval_every: int | None = None,
+    max_eval_blocks: int = 64,
+    lora_targets: list[str] | None = None,
+    text_field: str = "text",
+    resume: bool = False,
+    overwrite: bool = False,
+    isolate: bool | None = None,
+    progress: Progress | None = None,
+    status: Callable[[str], None] = lambda message: None,
+) -> BenchResult:
+    """Bench ``arms`` (default: all) converted from ``source``, into ``out``.
+
+    ``lrs`` multiply each arm's default learning rates (the recipe's ``lr``, with its gate scale,
+    for the heads; ``lora_lr`` for LoRA; both for ddl+lora); with one value there is nothing to
+    choose and no sweep. ``resume`` continues a bench in ``out``, skipping the runs it finished;
+    ``overwrite`` starts over. ``isolate`` runs each training run in a child process, which is
+    how peak RSS is measured on a CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
+    """
+    from ..data import expand
+
+    out = Path(out).expanduser()
+    names = parse_arms(arms)
+    lrs = _check(steps, seeds, lrs, data, eval_data, resume, overwrite)
+    train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
+    shared = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in held_files})
+    if shared:
+        raise DeltafyError(f"--eval-data {shared[0]} is also in --data: the held-out text must not be trained on")
+    recipes = recipes_for(names)
+    _options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field)
+    settings = {
+        "source": source,
+        "data": list(data),
+        "eval_data": list(eval_data),
+        "steps": steps,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "lrs": lrs,
+        "eval_every": eval_every or _default_eval_every(steps),
+        "max_eval_blocks": max_eval_blocks,
+        "lora_targets": lora_targets,
+        "text_field": text_field,
+    }
+    saved = guard(out, resume, overwrite)
+    if saved is not None:
+        compare(saved["settings"], settings, out)
+    isolate = not _cuda() if isolate is None else isolate
+
+    from ..runs import RunLock
+
+    with RunLock(out):
+        if overwrite:
+            clear(out)
+            saved = None
+        models = {recipe: converted(source, out / "models" / recipe, recipe, status) for recipe in recipes}
+        settings |= _data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
+        if saved is not None:
+            compare(saved["settings"], settings, out)
+        state = saved or {"format": FORMAT, "settings": settings, "sweep": [], "records": []}
+        status("counting trainable parameters")
+        budgets = Budgets(models, lora_targets)
+        bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status)
+        total = len(names) * ((len(lrs) if len(lrs) > 1 else 0) + seeds)
+        report = progress or (lambda done, total, what: None)
+        for name in names:
+            bench.arm(name, lrs, seeds, report, total)
+        report(total, total, "done")
+        return bench.result(names, seeds)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _default_eval_every(steps: int) -> int:
+    return max(1, steps // 5)  # five points of each curve besides the start
+
+
+def _check(steps, seeds, lrs, data, eval_data, resume, overwrite) -> list[float]:
+    if resume and overwrite:
+        raise DeltafyError("--resume and --overwrite contradict each other; pass one of them")
+    if not isinstance(steps, int) or steps < 1:
+        raise DeltafyError(f"--steps takes an integer ≥ 1; got {steps}")
+    if not isinstance(seeds, int) or seeds < 1:
+        raise DeltafyError(f"--seeds takes an integer ≥ 1 (the seeds 0 … K-1 each arm trains); got {seeds}")
+    lrs = [float(x) for x in lrs]
+    if not lrs or any(not math.isfinite(x) or x <= 0 for x in lrs) or len(set(lrs)) != len(lrs):
+        raise DeltafyError(
+            f"--lrs takes distinct positive multipliers of each arm's default learning rate, e.g. 0.3,1,3; got "
+            f"{','.join(f'{x:g}' for x in lrs) or 'none'}"
+        )
+    if not data:
+        raise DeltafyError("bench needs --data: the text every arm trains on")
+    if not eval_data:
+        raise DeltafyError("bench needs --eval-data: the held-out text every arm is reported on")
+    return sorted(lrs)
+
+
+def _options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field):
+    """Every value the runs take, checked before any work (each bad one named as its flag)."""
+    from ..recipe import load_recipe
+    from ..train import options_from
+
+    base = load_recipe(recipes[0]).training.model_dump()
+    options_from(
+        base,
+        steps=steps,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        eval_every=eval_every,
+        max_eval_blocks=max_eval_blocks,
+        lora_targets=lora_targets,
+        text_field=text_field,
+    )
+    for recipe in recipes[1:]:
+        load_recipe(recipe)
+
+
+def _data_fingerprints(model_dir: Path, data, eval_data, seq_len: int, text_field: str, status) -> dict:
+    """Read both texts once (the runs then find them in the token cache) and refuse text too short
+    to train, validate or report on before any run starts."""
+    from ..checkpoint import load_tokenizer
+    from ..data import fingerprint, pack, split_held_out, token_stream
+    from ..recipe import TrainingDefaults
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise DeltafyError(f"{model_dir} has no tokenizer; a bench needs one to read text")
+    status("reading the text")
+    split_held_out(pack(token_stream(data, tokenizer, text_field), seq_len), TrainingDefaults().held_out, 0)
+    pack(token_stream(eval_data, tokenizer, text_field), seq_len)
+    return {
+        "data_fingerprint": fingerprint(data, tokenizer, text_field),
+        "eval_data_fingerprint": fingerprint(eval_data, tokenizer, text_field),
+    }
+
+
+def _now() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="microseconds")
+
+
+class _Bench:
+    """The runs of one bench and the state file that records each as it finishes."""
+
+    def __init__(self, out, state, models, budgets, data, eval_data, isolate, status):
+        self.out, self.state, self.models, self.budgets = out, state, models, budgets
+        self.data, self.eval_data, self.isolate, self.status = list(data), list(eval_data), isolate, status
+        self.trained, self.done = 0, 0
+
+    def options(self, name: str, multiplier: float, seed: int, validation: bool):
+        from ..checkpoint import read_config
+        from ..train import options_from
+
+        arm, settings = ARMS[name], self.state["settings"]
+        steps = settings["steps"]
+        base = read_config(self.models[arm.recipe])["deltafy"]["recipe"].get("training") or {}
+        defaults = options_from(base)
+        rank = self.budgets.rank(name)
+        return options_from(
+            base,
+            train=arm.train,
+            steps=steps,
+            seq_len=settings["seq_len"],
+            batch_size=settings["batch_size"],
+            # A sweep run is judged on its final validation loss only: no evaluations on the way.
+            eval_every=steps + 1 if validation else settings["eval_every"],
+            save_every=steps,
+            max_eval_blocks=settings["max_eval_blocks"],
+            seed=seed,
+            text_field=settings["text_field"],
+            lr=defaults.lr * multiplier,
+            lora_lr=defaults.lora_lr * multiplier,
+            lora_r=rank,
+            lora_alpha=float(rank) if rank else None,  # scale 1 at every rank: one sweep fits all ranks
+            lora_targets=self.budgets.lora_targets,
+        )
+
+    def arm(self, name: str, lrs: list[float], seeds: int, report, total: int) -> None:
+        sweep = len(lrs) > 1
+        for multiplier in lrs if sweep else ():
+            what = f"{name} · sweep lr ×{multiplier:g}"
+            if self._find("sweep", name, lr_multiplier=multiplier) is None:
+                report(self.done, total, what)
+                self._validate(name, multiplier)
+            self.done += 1
+        best = self.best(name, lrs)
+        for seed in range(seeds):
+            what = f"{name} · seed {seed + 1} of {seeds} (lr ×{best:g})"
+            found = self._find("records", name, seed=seed)
+            saved = (self.folder(name, seed) / "config.json").is_file()
+            if found is None or found["lr_multiplier"] != best or not saved:
+                report(self.done, total, what)
+                self._seed(name, best, seed)
+            self.done += 1
+            report(self.done, total, what)
+
+    def folder(self, name: str, seed: int) -> Path:
+        return self.out / "runs" / name / f"seed-{seed}"
+
+    def sweep_folder(self, name: str, multiplier: float) -> Path:
+        return self.out / "runs" / name / f"lr-{multiplier:g}x"
+
+    def _find(self, key: str, arm: str, **match) -> dict | None:
+        return next(
+            (r for r in self.state[key] if r["arm"] == arm and all(r.get(k) == v for k, v in match.items())), None
+        )
+
+    def _validate(self, name: str, multiplier: float) -> None:
+        from ..engine import NonFiniteLoss
+
+        folder = self.sweep_folder(name, multiplier)
+        options = self.options(name, multiplier, 0, validation=True)
+        record = {"arm": name, "lr_multiplier": multiplier, **_lrs(name, options), "path": str(folder.resolve())}
+        try:  # no eval data: run_training validates on its held-out share of the training text
+            numbers = train_run(self.models[ARMS[name].recipe], self.data, folder, options, None, self.isolate)
+            record |= {"validation_loss": numbers["loss_after"], "validation_loss_before": numbers["loss_before"]}
+            _keep_only_the_record(folder)
+        except NonFiniteLoss as err:  # a learning rate too large: the sweep's answer, not the bench's failure
+            record |= {"validation_loss": None, "diverged": str(err)}
+        self._add("sweep", record)
+
+    def best(self, name: str, lrs: list[float]) -> float:
+        if len(lrs) == 1:
+            return lrs[0]
+        scored = [(r["validation_loss"], r["lr_multiplier"]) for r in self.state["sweep"] if r["arm"] == name]
+        scored = [(loss, m) for loss, m in scored if m in lrs and loss is not None and math.isfinite(loss)]
+        if not scored:
+            raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
+        return min(scored)[1]
+
+    def _seed(self, name: str, multiplier: float, seed: int) -> None:
+        arm = ARMS[name]
+        folder = self.folder(name, seed)
+        self.state["records"] = [r for r in self.state["records"] if not (r["arm"] == name and r["seed"] == seed)]
+        options = self.options(name, multiplier, seed, validation=False)
+        try:
+            numbers = train_run(self.models[arm.recipe], self.data, folder, options, self.eval_data, self.isolate)
+        except DeltafyError as err:
+            raise DeltafyError(f"arm {name}, seed {seed}: {err}") from err
+        record = {
+            "arm": name,
+            "seed": seed,
+            "recipe": arm.recipe,
+            "train": arm.train,
+            "lr_multiplier": multiplier,
+            **_lrs(name, options),
+            **numbers,
+            "delta": numbers["loss_after"] - numbers["loss_before"],
+            "peak_memory_kind": memory_kind(self.isolate) if numbers["peak_memory_bytes"] is not None else None,
+            "curve": curve(folder),
+            "path": str(folder.resolve()),
+        }
+        self._add("records", record)
+
+    def _add(self, key: str, record: dict) -> None:
+        self.state[key].append(record | {"finished_at": _now()})
+        self.trained += 1
+        write(self.out / BENCH_FILE, self.state)
+
+    def result(self, names: list[str], seeds: int) -> BenchResult:
+        lrs = self.state["settings"]["lrs"]
+        records = [r for name in names for r in self.state["records"] if r["arm"] == name and r["seed"] < seeds]
+        for record in self.state["records"]:  # where the models are now: the folder may have moved since
+            record["path"] = str(self.folder(record["arm"], record["seed"]).resolve())
+        for record in self.state["sweep"]:
+            record["path"] = str(self.sweep_folder(record["arm"], record["lr_multiplier"]).resolve())
+        rows = [_row(name, [r for r in records if r["arm"] == name], lrs) for name in names]
+        self.state["table"] = [asdict(row) for row in rows]
+        self.state["arms"] = {name: asdict(ARMS[name]) | {"lora_r": self.budgets.rank(name)} for name in needed(names)}
+        self.state["lora_targets"] = self.budgets.targets
+        write(self.out / BENCH_FILE, self.state)
+        plot = self._plot(names, records)
+        return BenchResult(
+            out=self.out,
+            rows=rows,
+            records=records,
+            sweep=[r for r in self.state["sweep"] if r["arm"] in names],
+            memory=memory_kind(self.isolate),
+            json_path=self.out / BENCH_FILE,
+            plot_path=plot,
+            trained=self.trained,
+            settings=self.state["settings"],
+        )
+
+    def _plot(self, names, records) -> Path:
+        from ..plots import plot_bench
+
+        curves = {}
+        for name in names:
+            runs = [dict(map(tuple, r["curve"])) for r in records if r["arm"] == name]
+            steps = sorted(set.intersection(*(set(c) for c in runs))) if runs else []
+            curves[name] = [(s, sum(c[s] for c in runs) / len(runs)) for s in steps]
+        settings = self.state["settings"]
+        title = f"{settings['source']} · {settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']}"
+        return plot_bench(curves, self.out / PLOT_FILE, title)
+
+
+def _keep_only_the_record(folder: Path) -> None:
+    """A sweep run is scored by its validation loss alone: its model (a full copy of the base where LoRA
+    merges into it) is dropped, its metrics and run record kept."""
+    import shutil
+
+    from ..train import METRICS_FILE, RECORD_FILE, STATE_DIR
+
+    for path in folder.iterdir():
+        if path.name == STATE_DIR:
+            for inner in path.iterdir():
+                if inner.name != RECORD_FILE:
+                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
+        elif path.name != METRICS_FILE:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _lrs(name: str, options) -> dict:
+    train = ARMS[name].train
+    lora = train != "heads"
+    return {
+        "lr": options.lr if "heads" in train else options.lora_lr,
+        "lora_lr": options.lora_lr if lora else None,
+        "lora_r": options.lora_r if lora else None,
+    }
+
+
+def _row(name: str, records: list[dict], lrs: list[float]) -> Row:
+    def mean(key: str) -> float:
+        return sum(r[key] for r in records) / len(records)
+
+    k = len(records)
+    deltas = [r["delta"] for r in records]
+    se = None
+    if k > 1:
+        m = sum(deltas) / k
+        se = math.sqrt(sum((d - m) ** 2 for d in deltas) / (k - 1)) / math.sqrt(k)
+    peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"] is not None]
+    first = records[0]
+    multiplier = first["lr_multiplier"]
+    return Row(
+        arm=name,
+        trainable_params=first["trainable_params"],
+        seeds=k,
+        loss_before=mean("loss_before"),
+        loss_after=mean("loss_after"),
+        delta=mean("delta"),
+        delta_se=se,
+        lr_multiplier=multiplier,
+        lr=first["lr"],
+        lora_r=first["lora_r"],
+        seconds_per_step=mean("seconds_per_step"),
+        peak_memory_bytes=max(peaks) if peaks else None,
+        lr_at_edge=len(lrs) > 1 and multiplier in (lrs[0], lrs[-1]),
+    )
+
+
+__all__ = ["ARMS", "BenchResult", "Row", "run_bench"]

@@ -1,0 +1,131 @@
+"""The arms of ``deltafy bench`` as data, and the LoRA ranks that match their parameter budgets."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..errors import DeltafyError
+from ..recipe import RANK_MAX
+
+
+@dataclass(frozen=True)
+class Arm:
+    recipe: str  # the bundled recipe its starting point is converted with
+    train: Literal["heads", "lora", "heads+lora"]
+    description: str
+    # The arm whose trainable-parameter count this arm's LoRA rank matches (LoRA arms only).
+    lora_matches: str | None = None
+
+
+ARMS: dict[str, Arm] = {
+    "heads": Arm("ddl-scalar", "heads", "the scalar DDL heads (k = the sublayer's own write)"),
+    "strength": Arm("ddl-scalar-strength", "heads", "scalar DDL heads with a zero-initialized strength per site"),
+    "learned": Arm("ddl-learned", "heads", "DDL heads with a learned low-rank direction"),
+    "expanded": Arm("ddl-expanded", "heads", "the paper's expanded state (d_v channels)"),
+    "lora": Arm("ddl-scalar", "lora", "LoRA alone at the heads' parameter count", lora_matches="heads"),
+    "ddl+lora": Arm("ddl-scalar", "heads+lora", "the DDL heads plus LoRA of the lora arm's rank", "heads"),
+    "lora-2x": Arm("ddl-scalar", "lora", "LoRA at ddl+lora's parameter count", lora_matches="ddl+lora"),
+    "lora-large": Arm("ddl-scalar", "lora", "LoRA at the learned direction's parameter count", "learned"),
+}
+
+
+def parse_arms(names: list[str] | str | None) -> list[str]:
+    """The selected arms in the order given (every arm when none is named)."""
+    if names is None:
+        return list(ARMS)
+    if isinstance(names, str):
+        names = names.split(",")
+    chosen = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    unknown = [n for n in chosen if n not in ARMS]
+    if unknown or not chosen:
+        what = f"unknown arm {', '.join(map(repr, unknown))}" if unknown else "no arm selected"
+        raise DeltafyError(f"--arms: {what}; choose from {', '.join(ARMS)}")
+    return chosen
+
+
+def needed(arms: list[str]) -> list[str]:
+    """The arms whose counts the selected ones depend on, each after what it matches."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        match = ARMS[name].lora_matches
+        if match is not None:
+            visit(match)
+        if name not in order:
+            order.append(name)
+
+    for name in arms:
+        visit(name)
+    return order
+
+
+def recipes_for(arms: list[str]) -> list[str]:
+    """Every recipe the arms train or count with: a LoRA arm matched to ``learned`` counts its heads."""
+    return list(dict.fromkeys(ARMS[name].recipe for name in needed(arms)))
+
+
+def nearest_rank(target: int, per_rank: int) -> int:
+    """The LoRA rank whose parameter count is nearest ``target`` (the smaller one on a tie)."""
+    low = max(1, min(RANK_MAX, target // per_rank))
+    high = min(RANK_MAX, low + 1)
+    return low if abs(low * per_rank - target) <= abs(high * per_rank - target) else high
+
+
+class Budgets:
+    """Trainable-parameter counts measured on the converted models, with the code training uses
+    (the heads' optimizer groups, peft's adapter), so each matched rank is what a run trains."""
+
+    def __init__(self, models: dict[str, Path], lora_targets: list[str] | None):
+        self.models = models
+        self.lora_targets = lora_targets
+        self._heads: dict[str, int] = {}
+        self._per_rank: int | None = None
+        self.targets: list[str] | None = None  # the LoRA targets peft resolved
+
+    def heads(self, recipe: str) -> int:
+        if recipe not in self._heads:
+            from ..convert import head_parameter_groups
+
+            model = _load(self.models[recipe])
+            self._heads[recipe] = sum(p.numel() for g in head_parameter_groups(model) for p in g["params"])
+        return self._heads[recipe]
+
+    def per_rank(self) -> int:
+        """LoRA parameters per unit of rank on the targets (linear in the rank for every layer peft wraps)."""
+        if self._per_rank is None:
+            from ..train import options_from, select_trainable
+
+            model = _load(self.models[ARMS["lora"].recipe])
+            options = options_from(None, train="lora", lora_r=1, lora_alpha=1.0, lora_targets=self.lora_targets)
+            with warnings.catch_warnings():  # transformers' deprecations inside peft: nothing the user can act on
+                warnings.simplefilter("ignore", FutureWarning)
+                model, groups = select_trainable(model, "lora", options)
+            self._per_rank = sum(p.numel() for g in groups for p in g["params"])
+            self.targets = sorted(model.peft_config["default"].target_modules)
+        return self._per_rank
+
+    def rank(self, name: str) -> int | None:
+        arm = ARMS[name]
+        return None if arm.lora_matches is None else nearest_rank(self.count(arm.lora_matches), self.per_rank())
+
+    def count(self, name: str) -> int:
+        arm = ARMS[name]
+        heads = self.heads(arm.recipe) if "heads" in arm.train else 0
+        rank = self.rank(name)
+        return heads + (rank * self.per_rank() if rank else 0)
+
+
+def _load(folder: Path):
+    """A converted model, loaded to be counted: without transformers' loading bar, which would cut
+    through the bench's own."""
+    from ..checkpoint import load
+    from ..sources import _quiet_transformers, _restore_transformers
+
+    previous = _quiet_transformers()
+    try:
+        return load(folder, dtype="float32")
+    finally:
+        _restore_transformers(previous)

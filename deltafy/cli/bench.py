@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from ..errors import DeltafyError
+from ._console import console, err_console
+from ._options import OFF, OverwriteOpt, check_number, extra_text_paths
+
+
+def bench_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Hub id, local HF folder, .gguf file or alias to convert and bench.")],
+    data: Annotated[
+        list[str], typer.Option("--data", "-d", help="Training text (files, folders, globs, datasets). Repeatable.")
+    ],
+    eval_data: Annotated[
+        list[str],
+        typer.Option(
+            "--eval-data", help="Held-out text every arm is reported on; never used to choose a learning rate."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the converted models, runs and results.")],
+    arms: Annotated[
+        str | None,
+        typer.Option("--arms", help="Comma-separated arms (see below).", show_default="all"),
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps of every run.")] = 100,
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per arm (standard errors need 2 or more).")] = 3,
+    lrs: Annotated[
+        str, typer.Option("--lrs", help="Multipliers of each arm's default learning rate to sweep.")
+    ] = "0.3,1,3",
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per block.")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step.")] = 8,
+    eval_every: Annotated[
+        int | None, typer.Option("--eval-every", help="Steps between held-out evaluations.", show_default="steps/5")
+    ] = None,
+    max_eval_blocks: Annotated[int, typer.Option("--max-eval-blocks", help="Held-out blocks evaluated.")] = 64,
+    lora_targets: Annotated[
+        str | None,
+        typer.Option(
+            "--lora-targets", help="LoRA module names, comma-separated.", show_default="peft's for the family"
+        ),
+    ] = None,
+    text_field: Annotated[str, typer.Option("--text-field", help="JSONL/dataset text field.")] = "text",
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the bench in --out, keeping its finished runs.", show_default=OFF)
+    ] = False,
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Train DDL arms and LoRA from one conversion of MODEL, each at its best swept learning rate, and
+    compare them on the same held-out text.
+
+    [bold]Arms[/]
+
+      heads        the scalar DDL heads (recipe ddl-scalar)
+      strength     scalar heads, a zero-initialized strength per site (ddl-scalar-strength)
+      learned      a learned low-rank direction (ddl-learned)
+      expanded     the expanded state (ddl-expanded)
+      lora         LoRA alone, its rank matched to the heads' parameter count
+      ddl+lora     the heads plus LoRA of the lora arm's rank
+      lora-2x      LoRA matched to ddl+lora's parameter count
+      lora-large   LoRA matched to the learned direction's parameter count
+
+    [bold]Example[/]
+
+      deltafy bench smollm2-135m --data plays/ --eval-data held-out/ --out ./bench --steps 40 --seeds 3
+    """
+    from ..bench import run_bench
+
+    extra_data, extra_eval = extra_text_paths(ctx)
+    for option, value in (("--steps", steps), ("--seeds", seeds), ("--max-eval-blocks", max_eval_blocks)):
+        check_number(option, value, minimum=1)
+    check_number("--eval-every", eval_every, minimum=1)
+    with _Bar() as bar:
+        result = run_bench(
+            model,
+            list(data) + extra_data,
+            list(eval_data) + extra_eval,
+            out,
+            arms=arms,
+            steps=steps,
+            seeds=seeds,
+            lrs=_multipliers(lrs),
+            seq_len=seq_len,
+            batch_size=batch_size,
+            eval_every=eval_every,
+            max_eval_blocks=max_eval_blocks,
+            lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
+            text_field=text_field,
+            resume=resume,
+            overwrite=overwrite,
+            progress=bar.progress,
+            status=bar.status,
+        )
+    _print_table(result)
+
+
+def _multipliers(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeltafyError(f"--lrs takes comma-separated numbers, e.g. 0.3,1,3; got {text!r}") from None
+
+
+class _Bar:
+    """One bar over every run of the bench, its description saying which arm runs and whether it is
+    the learning-rate sweep or a seed; between runs it says what is being prepared."""
+
+    def __enter__(self) -> _Bar:
+        self.bars = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bars is not None:
+            self.bars.__exit__(*exc)
+
+    def _started(self):
+        """The bar, drawn at the first news: a setting refused at once leaves no trace of one."""
+        if self.bars is not None:
+            return self.bars
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.bars = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+        )
+        self.bars.__enter__()
+        self.task = self.bars.add_task("", total=None)
+        return self.bars
+
+    def status(self, message: str) -> None:
+        self._started().update(self.task, description=escape(message) + " …")
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        self._started().update(self.task, completed=done, total=total, description=escape(f"bench: {what}"))
+
+
+def _print_table(result) -> None:
+    from rich import box
+    from rich.table import Table
+
+    settings = result.settings
+    memory = result.memory or "peak memory"
+    table = Table(
+        title=f"deltafy bench · {escape(settings['source'])}",
+        caption=(
+            f"{settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']} tokens per arm; lr chosen on "
+            f"a held-out share of --data (* at an end of --lrs); Δ ± standard error over seeds; {memory} per run"
+            + ("" if result.memory else " (measured on CUDA, or on a CPU with each run in its own process)")
+        ),
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("arm", "trainable", "held-out before → after", "Δ nats", "lr", "s/step", memory):
+        table.add_column(name, justify="left" if name == "arm" else "right")
+    for row in result.rows:
+        se = "—" if row.delta_se is None else f"{row.delta_se:.4f}"
+        peak = "—" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes / 2**20:,.0f} MiB"
+        table.add_row(
+            row.arm,
+            f"{row.trainable_params:,}" + (f" r={row.lora_r}" if row.lora_r else ""),
+            f"{row.loss_before:.4f} → {row.loss_after:.4f}",
+            f"{row.delta:+.4f} ± {se}",
+            f"{row.lr:.2g} ×{row.lr_multiplier:g}" + ("*" if row.lr_at_edge else ""),
+            f"{row.seconds_per_step:.2f}",
+            peak,
+        )
+    console.print(table)
+    edges = [row.arm for row in result.rows if row.lr_at_edge]
+    if edges:
+        console.print(
+            f"note: the best learning rate of {', '.join(edges)} is at an end of --lrs; a wider sweep may do better"
+        )
+    console.print(f"wrote [bold]{escape(str(result.json_path))}[/] and [bold]{escape(str(result.plot_path))}[/]")
