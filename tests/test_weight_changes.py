@@ -46,7 +46,7 @@ def assert_every_way_is_seen(results: dict, tolerance: float) -> None:
         assert change > 100 * tolerance, f"{way}: the change did not move the logits; the test would be trivial"
 
 
-@pytest.fixture(scope="module", params=["ddl-scalar", "ddl-learned"])
+@pytest.fixture(scope="module", params=["ddl-scalar", "ddl-learned", "ddl-expanded"])
 def checkpoint(request, tmp_path_factory):
     model = deltafy.convert(tiny_model("llama-untied"), request.param)
     open_gates(model)

@@ -120,6 +120,7 @@ def inspect_command(
             "layout": spec["layout"],
             "recipe": spec["recipe"]["name"],
             "direction": spec["direction"],
+            "channels": spec.get("channels", 1),
             "sites": sites,
             "measured_on": {"data": list(data), "tokens": tokens} if data else "built-in prompts",
             "layers": [
@@ -134,6 +135,7 @@ def inspect_command(
         + escape(
             f"{spec['base_model_type']} ({spec['base_architecture']}), {spec['layout']}, "
             f"recipe {spec['recipe']['name']}, direction {spec['direction']}"
+            + (f", expanded state of {spec['channels']} channels" if spec.get("channels", 1) > 1 else "")
         )
     )
     if data:
