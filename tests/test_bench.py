@@ -159,7 +159,7 @@ def test_an_unfinished_bench_resumes_from_its_last_finished_run(tiny, tmp_path):
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (dict(arms=["heads", "nope"]), "unknown arm 'nope'; choose from heads, strength"),
+        (dict(arms=["heads", "nope"]), "unknown arm 'nope'; choose from heads, logit"),
         (dict(seeds=0), "--seeds takes an integer ≥ 1"),
         (dict(steps=0), "--steps takes an integer ≥ 1"),
         (dict(lrs=[1, -1]), "--lrs takes distinct positive multipliers"),

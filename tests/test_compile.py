@@ -48,7 +48,7 @@ CASES = ["llama-tied", "gpt2", "opt-post-ln", "gemma2", "gpt_neox-parallel"]
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
 
 
-@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-learned", "ddl-scalar-strength", "ddl-expanded"])
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-learned", "ddl-scalar-logit", "ddl-expanded"])
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_and_cached_decode_compile_to_one_graph(case, recipe):
     model, compiled = _compiled(case, recipe)

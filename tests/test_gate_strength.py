@@ -14,7 +14,7 @@ import deltafy
 from deltafy.modeling_deltafy import DeltaSpec, delta_sites
 from deltafy.recipe import Recipe
 
-RECIPE = "ddl-scalar-strength"
+RECIPE = "ddl-scalar"  # the default recipe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,3 +73,4 @@ def test_recipes_name_the_gate():
         Recipe.model_validate({"name": "x", "gate_bias": 0.0})
     # A checkpoint written before the option existed has no "gate": it is the logit gate.
     assert DeltaSpec.from_dict({"layers": "model.layers", "hidden_size": 8, "sites": []}).gate == "logit"
+    assert deltafy.load_recipe().gate == "strength" and deltafy.load_recipe("ddl-scalar-logit").gate == "logit"

@@ -35,9 +35,12 @@ def test_default_recipe_is_the_scalar_paper_recipe():
     assert recipe.direction == "sublayer"
     assert recipe.rank is None
     assert recipe.sites == ["attn", "mlp"]
-    assert recipe.gate_bias == -18.0
+    assert recipe.gate == "strength" and recipe.gate_bias == 0.0  # alpha = 0 keeps it off, beta starts at 1
+    assert recipe.training.gate_lr_scale == 10.0
     assert recipe.eps == 1e-6
     assert load_recipe(None) == recipe == load_recipe("ddl-scalar")
+    logit = load_recipe("ddl-scalar-logit")  # deltafy 0.1's default, kept to compare against
+    assert logit.gate == "logit" and logit.gate_bias == -18.0 and logit.training.gate_lr_scale == 100.0
 
 
 def test_learned_recipe_loads_by_name():

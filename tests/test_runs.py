@@ -21,6 +21,7 @@ from test_cli import assert_one_line_error
 import deltafy
 from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
+from deltafy.recipe import load_recipe
 from deltafy.resume import HEADS_FILE, TRAINER_STATE
 from deltafy.runs import LOCK_FILE, RunLock
 from deltafy.train import options_from
@@ -32,7 +33,7 @@ SHORT = ("--seq-len", "32", "--batch-size", "2", "--lr", "0.05")
 
 def opts(**overrides):
     values = dict(steps=2, seq_len=32, batch_size=2, lr=0.05, save_every=1)
-    return options_from(None, **{**values, **overrides})
+    return options_from(load_recipe().training.model_dump(), **{**values, **overrides})  # as `deltafy train` would
 
 
 def train(tiny, out: Path, resume: bool = False, data=None, model=None, notices=None, **overrides):

@@ -288,11 +288,13 @@ def test_pickled_model_round_trips(llama):
 
 
 def test_mean_betas_reads_the_gates():
-    model = convert(tiny_model("llama-tied"))
+    model = convert(tiny_model("llama-tied"), "ddl-scalar-logit")
     ids = _ids(3)
     at_init = mean_betas(model, lambda: _logits(model, ids))
     assert sorted(at_init) == [f"model.layers.{i}.delta.{s}" for i in range(2) for s in ("attn", "mlp")]
     assert all(b == pytest.approx(2 * torch.sigmoid(torch.tensor(-18.0)).item()) for b in at_init.values())
+    strength = convert(tiny_model("llama-tied"))  # the default: alpha * beta, alpha = 0 at init
+    assert set(mean_betas(strength, lambda: _logits(strength, ids)).values()) == {0.0}
     with gates_at(model, 1.0):
         assert all(b == 1.0 for b in mean_betas(model, lambda: _logits(model, ids)).values())
     assert not any(site._forward_pre_hooks for _, site in delta_sites(model))
@@ -354,7 +356,7 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
     assert all(p.grad is None for n, p in model.named_parameters() if ".delta." not in n)
 
 
-@pytest.mark.parametrize("recipe_name", ["ddl-scalar", "ddl-learned"])
+@pytest.mark.parametrize("recipe_name", ["ddl-scalar", "ddl-scalar-logit", "ddl-learned", "ddl-expanded"])
 def test_head_parameter_groups(recipe_name):
     model = tiny_model("llama-untied")
     pretrained = {id(p) for p in model.parameters()}
@@ -369,9 +371,14 @@ def test_head_parameter_groups(recipe_name):
     head_ids = [id(p) for p in by_name["heads"]["params"]]
     site_params = [p for _, s in delta_sites(model) for p in s.parameters()]
     assert len(gate_ids) == len(set(gate_ids)) and len(head_ids) == len(set(head_ids))
-    assert set(gate_ids) == {id(p) for _, s in delta_sites(model) for p in s.gate.parameters()}
+    # alpha (gate: strength) moves with the gate: both set how strongly the correction acts
+    strengths = {id(s.strength) for _, s in delta_sites(model) if s.strength is not None}
+    assert bool(strengths) == (recipe.gate == "strength")
+    assert set(gate_ids) == {id(p) for _, s in delta_sites(model) for p in s.gate.parameters()} | strengths
     assert set(gate_ids).isdisjoint(head_ids)
-    assert set(gate_ids) | set(head_ids) == {id(p) for p in site_params}
+    final_reads = {id(p) for n, p in model.named_parameters() if n.endswith("delta.final.weight")}
+    assert bool(final_reads) == (recipe.channels > 1)  # an expanded stream's final read trains with the heads
+    assert set(gate_ids) | set(head_ids) == {id(p) for p in site_params} | final_reads
     assert not (set(gate_ids) | set(head_ids)) & pretrained
     if recipe_name == "ddl-learned":
         direction_ids = {id(p) for _, s in delta_sites(model) for p in s.direction.parameters()}

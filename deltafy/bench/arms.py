@@ -22,7 +22,7 @@ class Arm:
 
 ARMS: dict[str, Arm] = {
     "heads": Arm("ddl-scalar", "heads", "the scalar DDL heads (k = the sublayer's own write)"),
-    "strength": Arm("ddl-scalar-strength", "heads", "scalar DDL heads with a zero-initialized strength per site"),
+    "logit": Arm("ddl-scalar-logit", "heads", "the scalar DDL heads held off by a gate logit of -18 instead"),
     "learned": Arm("ddl-learned", "heads", "DDL heads with a learned low-rank direction"),
     "expanded": Arm("ddl-expanded", "heads", "the paper's expanded state (d_v channels)"),
     "lora": Arm("ddl-scalar", "lora", "LoRA alone at the heads' parameter count", lora_matches="heads"),

@@ -8,17 +8,14 @@ import resource
 import sys
 from pathlib import Path
 
-from ..engine import NonFiniteLoss
 from ..errors import DeltafyError
-
-ERROR_KINDS = {"NonFiniteLoss": NonFiniteLoss, "DeltafyError": DeltafyError}
+from .runs import ERROR_KINDS, train
 
 
 def main(job_file: str, answer_file: str) -> None:
     from transformers.utils import logging as hf_logging
 
     from ..train import TrainOptions
-    from .runs import train
 
     hf_logging.disable_progress_bar()  # as the deltafy command does in its own process
     job = json.loads(Path(job_file).read_text())

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import torch
 
+from ..engine import NonFiniteLoss
+from ..errors import DeltafyError
 from ..train import METRICS_FILE, TrainOptions, read_metrics, run_summary
 
 PEAK_RSS, PEAK_CUDA = "peak RSS", "peak CUDA memory"
+ERROR_KINDS = {"NonFiniteLoss": NonFiniteLoss, "DeltafyError": DeltafyError}  # what a child run may report
 
 
 def memory_kind(isolate: bool) -> str | None:
@@ -36,9 +39,6 @@ def _in_child(model_dir, data, out, options, eval_data) -> dict:
     import os
     import subprocess
     import tempfile
-
-    from ..errors import DeltafyError
-    from .child import ERROR_KINDS
 
     job = {"model_dir": str(model_dir), "data": list(data), "out": str(out), "eval_data": eval_data}
     job["options"] = options.model_dump(mode="json")

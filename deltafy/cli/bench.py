@@ -57,7 +57,7 @@ def bench_command(
     [bold]Arms[/]
 
       heads        the scalar DDL heads (recipe ddl-scalar)
-      strength     scalar heads, a zero-initialized strength per site (ddl-scalar-strength)
+      logit        the scalar heads held off by a gate logit of -18 instead (ddl-scalar-logit)
       learned      a learned low-rank direction (ddl-learned)
       expanded     the expanded state (ddl-expanded)
       lora         LoRA alone, its rank matched to the heads' parameter count
