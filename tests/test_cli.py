@@ -176,6 +176,7 @@ def test_help_and_recipes(tmp_path):
     proc = cli("recipes", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "ddl-scalar" in proc.stdout and "ddl-learned" in proc.stdout and "(default)" in proc.stdout
+    assert "ddl-expanded" in proc.stdout and "strength α = 0" in proc.stdout and "logit -18" in proc.stdout
     script = Path(sys.executable).parent / "deltafy"
     if script.is_file():  # the installed console script
         run = subprocess.run(
