@@ -120,15 +120,16 @@ class DeltaRead(nn.Module):
     layers were trained on. Computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``, so that channels that
     agree read as exactly that stream; ``weight`` holds r_1 .. r_{d_v-1} (r_0 is the rest).
 
-    The weights start distinct, r_j = (2j + 1) / d_v^2: the channels start equal, so any weights
-    read the same view, but equal weights would hand every channel the same gradient and keep them
-    copies of one another for good."""
+    The weights start distinct, r_j = (2j + 1) / d_v^2 rolled by ``offset`` places (each read of a
+    model by one more than the last): the channels start equal, so any weights read the same view,
+    but equal weights, or the same weights at every read, would hand the channels proportional
+    gradients, which Adam turns into identical steps: the channels would stay copies for good."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, offset: int = 0):
         super().__init__()
         if channels < 2:
             raise ValueError(f"deltafy: an expanded stream has at least 2 channels, got {channels}")
-        self.channels = channels
+        self.channels, self.offset = channels, offset
         self.weight = nn.Parameter(torch.empty(channels - 1))
         self.reset_parameters()
         self._is_hf_initialized = True
@@ -136,10 +137,11 @@ class DeltaRead(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         d_v = self.channels
-        self.weight.copy_(torch.arange(3, 2 * d_v, 2, dtype=torch.float64) / d_v**2)
+        r = torch.arange(1, 2 * d_v, 2, dtype=torch.float64) / d_v**2
+        self.weight.copy_(torch.roll(r, self.offset)[1:])
 
     def extra_repr(self) -> str:
-        return f"channels={self.channels}"
+        return f"channels={self.channels}, offset={self.offset}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -173,7 +175,7 @@ class DeltaSite(nn.Module):
         context: str = SiteSpec.context,
         gate: str = DeltaSpec.gate,
         channels: int = DeltaSpec.channels,
-        read: bool = False,
+        read: int | None = None,
     ):
         super().__init__()
         if direction not in ("sublayer", "learned"):
@@ -193,7 +195,7 @@ class DeltaSite(nn.Module):
         self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
         # alpha; one element, not a 0-d tensor: FSDP2 shards only parameters of at least one dimension
         self.strength = nn.Parameter(torch.zeros(1)) if gate == "strength" else None
-        self.read = DeltaRead(self.channels) if read else None
+        self.read = DeltaRead(self.channels, read) if read is not None else None  # read: its offset
         self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
@@ -429,6 +431,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     device = None if ref.is_meta else ref.device
     d_v = spec.channels
     calls: dict[int, _SiteCall] = {}
+    reads = 0  # the expanded stream's reads so far: each starts its weights one place further round
 
     def call(module: nn.Module) -> _SiteCall:
         if id(module) not in calls:
@@ -438,7 +441,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     for layer, site, stream, write in plan:
         # the first site to read a stream module holds the read weights of its view (parallel layers
         # with one norm: both sublayers read one view)
-        reads = d_v > 1 and stream is not layer and id(stream) not in calls
+        read = d_v > 1 and stream is not layer and id(stream) not in calls
         delta = DeltaSite(
             spec.hidden_size,
             spec.direction,
@@ -449,22 +452,23 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
             site.context,
             spec.gate,
             channels=d_v,
-            read=reads,
+            read=reads if read else None,
         ).to(device=device, dtype=ref.dtype)
+        reads += read
         delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
         layer.delta[site.name] = delta
         call(stream).captures.append(delta)
         call(write).writes.append(delta)
-        if reads:
+        if read:
             call(stream).read = delta.read
     if d_v > 1:
         layers = _layers(model, spec.layers)
         if any(site.stream == "" for site in spec.sites):
             raise ValueError("deltafy: an expanded stream needs every site's stream to be a module inside the layer")
         call(layers[0]).expand = True
-        layers[-1].delta["final"] = DeltaRead(d_v).to(device=device, dtype=ref.dtype)
+        layers[-1].delta["final"] = DeltaRead(d_v, reads).to(device=device, dtype=ref.dtype)
         call(layers[-1]).final = layers[-1].delta["final"]
     for site_call in calls.values():
         site_call.module.forward = site_call
