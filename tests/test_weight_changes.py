@@ -71,7 +71,8 @@ def test_every_change_is_seen_on_smollm2(tmp_path):
     about 0.04, four times the mean beta of heads trained for 30 steps)."""
     from deltafy.sources import load_source
 
-    model = deltafy.convert(load_source("smollm2-135m", "float32").model)
+    # the closed gate deltafy 0.1 had, opened by its logit (the default's strength would be 0 here)
+    model = deltafy.convert(load_source("smollm2-135m", "float32").model, "ddl-scalar-logit")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, site in delta_sites(model):
