@@ -306,6 +306,11 @@ def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict
     return args, {**kwargs, "hidden_states": x}
 
 
+def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """``channels`` copies of x stacked along dim 0: the layout of an expanded stream."""
+    return x.repeat(channels, *(1,) * (x.dim() - 1))
+
+
 def _output_tensor(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
@@ -354,7 +359,7 @@ class _SiteCall:
         if self.expand or self.read is not None:
             x = _first_tensor(args, kwargs)
             if self.expand:  # the stream starts as d_v copies of the embedding
-                x = x.repeat(self.channels, *(1,) * (x.dim() - 1))
+                x = _tile(x, self.channels)
             args, kwargs = _with_first(args, kwargs, x if self.read is None else self.read(x))
         output = self._forward(*args, **kwargs)
         stash = _stash()
@@ -365,7 +370,7 @@ class _SiteCall:
         for site in self.writes:
             h = _output_tensor(output)
             if not self.enabled:  # every channel receives the write as it is
-                output = _with_output(output, h.repeat(self.channels, *(1,) * (h.dim() - 1)))
+                output = _with_output(output, _tile(h, self.channels))
                 continue
             try:
                 stream, context = stash.pop(id(site))
@@ -413,6 +418,8 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         spec = DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise ValueError("deltafy: this model is already converted")
+    if spec.channels > 1 and any(site.stream == "" for site in spec.sites):
+        raise ValueError("deltafy: an expanded stream needs every site's stream to be a module inside the layer")
     plan = []
     for layer in _layers(model, spec.layers):
         for site in spec.sites:
@@ -441,7 +448,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     for layer, site, stream, write in plan:
         # the first site to read a stream module holds the read weights of its view (parallel layers
         # with one norm: both sublayers read one view)
-        read = d_v > 1 and stream is not layer and id(stream) not in calls
+        read = d_v > 1 and id(stream) not in calls
         delta = DeltaSite(
             spec.hidden_size,
             spec.direction,
@@ -465,8 +472,6 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
             call(stream).read = delta.read
     if d_v > 1:
         layers = _layers(model, spec.layers)
-        if any(site.stream == "" for site in spec.sites):
-            raise ValueError("deltafy: an expanded stream needs every site's stream to be a module inside the layer")
         call(layers[0]).expand = True
         layers[-1].delta["final"] = DeltaRead(d_v, reads).to(device=device, dtype=ref.dtype)
         call(layers[-1]).final = layers[-1].delta["final"]

@@ -212,3 +212,18 @@ def test_saved_checkpoint_says_what_the_stream_carries(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "expanded state: the residual stream carries 4 channels (4 × 64 values per token)" in card
     assert deltafy.load_recipe(str(tmp_path / "out" / "recipe.yaml")).channels == 4
+
+
+def test_a_site_read_at_the_layer_input_is_refused_before_anything_is_attached():
+    from dataclasses import replace
+
+    from deltafy.convert import build_spec
+    from deltafy.modeling_deltafy import apply_deltafy
+
+    model = tiny_model("llama-untied")
+    spec = DeltaSpec.from_dict(build_spec(model.config, deltafy.load_recipe("ddl-expanded")))
+    spec = replace(spec, sites=(replace(spec.sites[0], stream=""), *spec.sites[1:]))
+    before = dict(model.state_dict())
+    with pytest.raises(ValueError, match="every site's stream to be a module inside the layer"):
+        apply_deltafy(model, spec)
+    assert model.state_dict().keys() == before.keys() and not getattr(model, "_deltafy_calls", None)
