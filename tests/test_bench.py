@@ -11,7 +11,7 @@ import pytest
 from _train_helpers import REPO
 from test_cli import assert_one_line_error, cli
 
-from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, run_bench
+from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
 from deltafy.bench.arms import Budgets, nearest_rank
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
@@ -37,7 +37,7 @@ RECORD_FIELDS = {
 
 
 def bench(tiny, out: Path, **overrides):
-    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], isolate=False, **SIZES)
+    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], extend=0, isolate=False, **SIZES)
     values.update(overrides)
     return run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], out, **values)
 
@@ -81,6 +81,34 @@ def test_table_equals_an_independent_evaluation_of_each_saved_model(tiny, benche
         sweep = {r["lr_multiplier"]: r["validation_loss"] for r in result.sweep if r["arm"] == row.arm}
         assert row.lr_multiplier == min(sweep, key=sweep.get)
         assert {r["lr_multiplier"] for r in mine} == {row.lr_multiplier}
+
+
+def test_ddl_lora_trains_its_heads_at_the_heads_arms_best_rate_and_sweeps_its_lora_rate(benched):
+    _, result, _ = benched
+    rows = {row.arm: row for row in result.rows}
+    heads, lora, combined = rows["heads"], rows["lora"], rows["ddl+lora"]
+    assert combined.heads_lr_multiplier == heads.lr_multiplier and combined.lr == heads.lr
+    assert combined.lora_lr == lora.lora_lr / lora.lr_multiplier * combined.lr_multiplier
+    swept = [r for r in result.sweep if r["arm"] == "ddl+lora"]
+    assert {r["heads_lr_multiplier"] for r in swept} == {heads.lr_multiplier}
+    base = lora.lora_lr / lora.lr_multiplier  # LoRA's rate at multiplier 1
+    assert [r["lora_lr"] / r["lr_multiplier"] for r in swept] == pytest.approx([base, base])
+    assert all(r["heads_lr_multiplier"] == heads.lr_multiplier for r in result.records if r["arm"] == "ddl+lora")
+    assert all("heads_lr_multiplier" not in r for r in result.records if r["arm"] != "ddl+lora")
+
+
+def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
+    assert extended([1.0, 3.0, 10.0], 10.0) == 33.3 and extended([1.0, 3.0, 10.0], 1.0) == 0.333
+    assert extended([1.0, 3.0, 10.0], 3.0) is None and extended([2.0], 2.0) is None
+    # At rates this small every larger one trains further in two steps: the best sits at the top end.
+    result = bench(tiny, tmp_path / "out", arms=["lora"], seeds=1, lrs=[0.01, 0.02], extend=2)
+    swept = sorted(r["lr_multiplier"] for r in result.sweep)
+    assert swept == [0.01, 0.02, 0.04, 0.08]
+    losses = [r["validation_loss"] for r in sorted(result.sweep, key=lambda r: r["lr_multiplier"])]
+    (row,) = result.rows
+    assert row.lr_multiplier == swept[losses.index(min(losses))]
+    assert row.lr_at_edge == (row.lr_multiplier == 0.08)
+    assert result.records[0]["lr_multiplier"] == row.lr_multiplier
 
 
 def test_the_sweep_never_reads_the_reported_held_out_text(tiny, benched):
@@ -142,6 +170,8 @@ def test_resume_trains_nothing_finished_and_a_changed_setting_is_refused(tiny, b
     # A subset of the arms with fewer seeds reuses what is there.
     subset = bench(tiny, out, resume=True, arms=["lora"], seeds=1)
     assert subset.trained == 0 and [(r["arm"], r["seed"]) for r in subset.records] == [("lora", 0)]
+    alone = bench(tiny, out, resume=True, arms=["ddl+lora"], seeds=1)  # its heads' rate: heads' own sweep
+    assert alone.trained == 0 and [row.arm for row in alone.rows] == ["ddl+lora"]
 
 
 def test_an_unfinished_bench_resumes_from_its_last_finished_run(tiny, tmp_path):
@@ -163,6 +193,7 @@ def test_an_unfinished_bench_resumes_from_its_last_finished_run(tiny, tmp_path):
         (dict(seeds=0), "--seeds takes an integer ≥ 1"),
         (dict(steps=0), "--steps takes an integer ≥ 1"),
         (dict(lrs=[1, -1]), "--lrs takes distinct positive multipliers"),
+        (dict(extend=-1), "--lr-extend takes an integer ≥ 0"),
         (dict(resume=True, overwrite=True), "--resume and --overwrite contradict"),
         (dict(seq_len=1), "--seq-len"),
     ],
@@ -214,18 +245,20 @@ def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tin
     out = tmp_path / "out"
     proc = cli(
         "bench", tiny.stock, "--data", tiny.train_txt, "--eval-data", tiny.held_txt, "--out", out,
-        "--arms", "heads,lora", "--steps", "2", "--seeds", "1", "--lrs", "1",
+        "--arms", "heads,lora,ddl+lora", "--steps", "2", "--seeds", "1", "--lrs", "1",
         "--seq-len", "64", "--batch-size", "4", "--max-eval-blocks", "4", cwd=tmp_path,
         env={"COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     state = json.loads((out / BENCH_FILE).read_text())
-    assert [r["arm"] for r in state["records"]] == ["heads", "lora"]
+    assert [r["arm"] for r in state["records"]] == ["heads", "lora", "ddl+lora"]
     for record in state["records"]:
         assert record["peak_memory_kind"] == "peak RSS" and record["peak_memory_bytes"] > 50 * 2**20
         assert f"{record['trainable_params']:,}" in proc.stdout
         assert f"{record['loss_after']:.4f}" in proc.stdout
     assert "peak RSS" in proc.stdout and "± —" in proc.stdout
+    heads, lora = state["records"][0]["lr"], state["records"][1]["lora_lr"]
+    assert f"heads {heads:.2g} ×1" in proc.stdout and f"LoRA {lora:.2g} ×1" in proc.stdout  # ddl+lora's two rates
     assert (out / PLOT_FILE).is_file()
 
 

@@ -23,6 +23,7 @@ from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, gu
 from .runs import curve, memory_kind, train_run
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
+DEFAULT_EXTEND = 2  # multipliers a sweep may add past an end of the grid where its best sits
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 
@@ -38,12 +39,14 @@ class Row:
     loss_after: float
     delta: float
     delta_se: float | None  # None for one seed
-    lr_multiplier: float
+    lr_multiplier: float  # of the LoRA rate where the heads' rate comes from another arm's sweep
     lr: float
     lora_r: int | None
     seconds_per_step: float
     peak_memory_bytes: int | None
-    lr_at_edge: bool  # the best learning rate is the smallest or largest swept: the sweep may be too narrow
+    lr_at_edge: bool  # the best rate is at an end of the sweep, even after extending it: it may be too narrow
+    heads_lr_multiplier: float | None = None  # where the heads train at another arm's best rate
+    lora_lr: float | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ def run_bench(
     steps: int = 100,
     seeds: int = 3,
     lrs: list[float] | tuple[float, ...] = DEFAULT_LRS,
+    extend: int = DEFAULT_EXTEND,
     seq_len: int = 256,
     batch_size: int = 8,
     eval_every: int | None = None,
@@ -84,16 +88,19 @@ def run_bench(
     """Bench ``arms`` (default: all) converted from ``source``, into ``out``.
 
     ``lrs`` multiply each arm's default learning rates (the recipe's ``lr``, with its gate scale,
-    for the heads; ``lora_lr`` for LoRA; both for ddl+lora); with one value there is nothing to
-    choose and no sweep. ``resume`` continues a bench in ``out``, skipping the runs it finished;
-    ``overwrite`` starts over. ``isolate`` runs each training run in a child process, which is
-    how peak RSS is measured on a CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
+    for the heads; ``lora_lr`` for LoRA; ddl+lora trains its heads at the heads arm's best rate
+    and sweeps its LoRA rate); with one value there is nothing to choose and no sweep. Where the
+    best sits at an end of the grid, the sweep goes on past that end by the grid's own step, up to
+    ``extend`` more values, so no arm is judged at a rate the grid merely cut off. ``resume``
+    continues a bench in ``out``, skipping the runs it finished; ``overwrite`` starts over.
+    ``isolate`` runs each training run in a child process, which is how peak RSS is measured on a
+    CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
     from ..data import expand
 
     out = Path(out).expanduser()
     names = parse_arms(arms)
-    lrs = _check(steps, seeds, lrs, data, eval_data, resume, overwrite)
+    lrs = _check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite)
     train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
     shared = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in held_files})
     if shared:
@@ -131,13 +138,27 @@ def run_bench(
         state = saved or {"format": FORMAT, "settings": settings, "sweep": [], "records": []}
         status("counting trainable parameters")
         budgets = Budgets(models, lora_targets)
-        bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status)
-        total = len(names) * ((len(lrs) if len(lrs) > 1 else 0) + seeds)
         report = progress or (lambda done, total, what: None)
+        bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend)
+        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * len(_swept(names))
         for name in names:
-            bench.arm(name, lrs, seeds, report, total)
-        report(total, total, "done")
+            bench.arm(name, seeds)
+        report(bench.total, bench.total, "done")
         return bench.result(names, seeds)
+
+
+def _swept(names: list[str]) -> list[str]:
+    """The arms a bench of ``names`` sweeps: each one, and each arm whose heads' rate one borrows."""
+    return list(dict.fromkeys(n for name in names for n in (ARMS[name].heads_lr_from, name) if n is not None))
+
+
+def extended(grid: list[float], best: float) -> float | None:
+    """The next multiplier past the end of the sorted ``grid`` where ``best`` sits, a step of the
+    ratio between that end and its neighbour (3 significant digits: folder names stay readable)."""
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return None
+    end, neighbour = (grid[-1], grid[-2]) if best == grid[-1] else (grid[0], grid[1])
+    return float(f"{end * end / neighbour:.3g}")
 
 
 def _cuda() -> bool:
@@ -150,7 +171,7 @@ def _default_eval_every(steps: int) -> int:
     return max(1, steps // 5)  # five points of each curve besides the start
 
 
-def _check(steps, seeds, lrs, data, eval_data, resume, overwrite) -> list[float]:
+def _check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite) -> list[float]:
     if resume and overwrite:
         raise DeltafyError("--resume and --overwrite contradict each other; pass one of them")
     if not isinstance(steps, int) or steps < 1:
@@ -163,6 +184,8 @@ def _check(steps, seeds, lrs, data, eval_data, resume, overwrite) -> list[float]
             f"--lrs takes distinct positive multipliers of each arm's default learning rate, e.g. 0.3,1,3; got "
             f"{','.join(f'{x:g}' for x in lrs) or 'none'}"
         )
+    if not isinstance(extend, int) or extend < 0:
+        raise DeltafyError(f"--lr-extend takes an integer ≥ 0 (0: sweep exactly --lrs); got {extend}")
     if not data:
         raise DeltafyError("bench needs --data: the text every arm trains on")
     if not eval_data:
@@ -216,12 +239,15 @@ def _now() -> str:
 class _Bench:
     """The runs of one bench and the state file that records each as it finishes."""
 
-    def __init__(self, out, state, models, budgets, data, eval_data, isolate, status):
+    def __init__(self, out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend):
         self.out, self.state, self.models, self.budgets = out, state, models, budgets
         self.data, self.eval_data, self.isolate, self.status = list(data), list(eval_data), isolate, status
-        self.trained, self.done = 0, 0
+        self.report, self.lrs, self.extend = report, lrs, extend
+        self.trained, self.done, self.total = 0, 0, 0
+        self.chosen: dict[str, tuple[float, float | None]] = {}  # arm: (best multiplier, the heads' one)
+        self.edges: dict[str, bool] = {}  # arm: its best is at an end of its sweep
 
-    def options(self, name: str, multiplier: float, seed: int, validation: bool):
+    def options(self, name: str, multiplier: float, heads: float | None, seed: int, validation: bool):
         from ..checkpoint import read_config
         from ..train import options_from
 
@@ -242,31 +268,59 @@ class _Bench:
             max_eval_blocks=settings["max_eval_blocks"],
             seed=seed,
             text_field=settings["text_field"],
-            lr=defaults.lr * multiplier,
+            lr=defaults.lr * (multiplier if heads is None else heads),
             lora_lr=defaults.lora_lr * multiplier,
             lora_r=rank,
             lora_alpha=float(rank) if rank else None,  # scale 1 at every rank: one sweep fits all ranks
             lora_targets=self.budgets.lora_targets,
         )
 
-    def arm(self, name: str, lrs: list[float], seeds: int, report, total: int) -> None:
-        sweep = len(lrs) > 1
-        for multiplier in lrs if sweep else ():
-            what = f"{name} · sweep lr ×{multiplier:g}"
-            if self._find("sweep", name, lr_multiplier=multiplier) is None:
-                report(self.done, total, what)
-                self._validate(name, multiplier)
-            self.done += 1
-        best = self.best(name, lrs)
+    def arm(self, name: str, seeds: int) -> None:
+        best, heads = self.sweep(name)
+        rate = f"lr ×{best:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{best:g}"
         for seed in range(seeds):
-            what = f"{name} · seed {seed + 1} of {seeds} (lr ×{best:g})"
+            what = f"{name} · seed {seed + 1} of {seeds} ({rate})"
             found = self._find("records", name, seed=seed)
             saved = (self.folder(name, seed) / "config.json").is_file()
-            if found is None or found["lr_multiplier"] != best or not saved:
-                report(self.done, total, what)
-                self._seed(name, best, seed)
+            if (
+                found is None
+                or (found["lr_multiplier"], found.get("heads_lr_multiplier")) != (best, heads)
+                or not saved
+            ):
+                self.report(self.done, self.total, what)
+                self._seed(name, best, heads, seed)
             self.done += 1
-            report(self.done, total, what)
+            self.report(self.done, self.total, what)
+
+    def sweep(self, name: str) -> tuple[float, float | None]:
+        """The arm's best multiplier and the heads' one it borrows, from the sweep runs it has or
+        trains now: the grid of --lrs, then past whichever end holds the best, ``extend`` times at most."""
+        if name in self.chosen:
+            return self.chosen[name]
+        source = ARMS[name].heads_lr_from
+        heads = self.sweep(source)[0] if source is not None else None
+        grid = list(self.lrs)
+        if len(grid) == 1:
+            self.chosen[name], self.edges[name] = (grid[0], heads), False
+            return self.chosen[name]
+        tried: set[float] = set()
+        while True:
+            for multiplier in grid:
+                if multiplier in tried:
+                    continue
+                if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads) is None:
+                    self.report(self.done, self.total, f"{name} · sweep lr ×{multiplier:g}")
+                    self._validate(name, multiplier, heads)
+                tried.add(multiplier)
+                self.done += 1
+            best = self._best(name, grid, heads)
+            following = extended(grid, best)
+            if following is None or len(grid) - len(self.lrs) >= self.extend:
+                break
+            grid = sorted([*grid, following])
+            self.total += 1
+        self.chosen[name], self.edges[name] = (best, heads), following is not None
+        return self.chosen[name]
 
     def folder(self, name: str, seed: int) -> Path:
         return self.out / "runs" / name / f"seed-{seed}"
@@ -279,12 +333,14 @@ class _Bench:
             (r for r in self.state[key] if r["arm"] == arm and all(r.get(k) == v for k, v in match.items())), None
         )
 
-    def _validate(self, name: str, multiplier: float) -> None:
+    def _validate(self, name: str, multiplier: float, heads: float | None) -> None:
         from ..engine import NonFiniteLoss
 
         folder = self.sweep_folder(name, multiplier)
-        options = self.options(name, multiplier, 0, validation=True)
-        record = {"arm": name, "lr_multiplier": multiplier, **_lrs(name, options), "path": str(folder.resolve())}
+        self.state["sweep"] = [r for r in self.state["sweep"] if (r["arm"], r["lr_multiplier"]) != (name, multiplier)]
+        options = self.options(name, multiplier, heads, 0, validation=True)
+        record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), **_lrs(name, options)}
+        record["path"] = str(folder.resolve())
         try:  # no eval data: run_training validates on its held-out share of the training text
             numbers = train_run(self.models[ARMS[name].recipe], self.data, folder, options, None, self.isolate)
             record |= {"validation_loss": numbers["loss_after"], "validation_loss_before": numbers["loss_before"]}
@@ -293,20 +349,22 @@ class _Bench:
             record |= {"validation_loss": None, "diverged": str(err)}
         self._add("sweep", record)
 
-    def best(self, name: str, lrs: list[float]) -> float:
-        if len(lrs) == 1:
-            return lrs[0]
-        scored = [(r["validation_loss"], r["lr_multiplier"]) for r in self.state["sweep"] if r["arm"] == name]
-        scored = [(loss, m) for loss, m in scored if m in lrs and loss is not None and math.isfinite(loss)]
+    def _best(self, name: str, grid: list[float], heads: float | None) -> float:
+        scored = [
+            (r["validation_loss"], r["lr_multiplier"])
+            for r in self.state["sweep"]
+            if r["arm"] == name and r["lr_multiplier"] in grid and r.get("heads_lr_multiplier") == heads
+        ]
+        scored = [(loss, m) for loss, m in scored if loss is not None and math.isfinite(loss)]
         if not scored:
             raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
         return min(scored)[1]
 
-    def _seed(self, name: str, multiplier: float, seed: int) -> None:
+    def _seed(self, name: str, multiplier: float, heads: float | None, seed: int) -> None:
         arm = ARMS[name]
         folder = self.folder(name, seed)
         self.state["records"] = [r for r in self.state["records"] if not (r["arm"] == name and r["seed"] == seed)]
-        options = self.options(name, multiplier, seed, validation=False)
+        options = self.options(name, multiplier, heads, seed, validation=False)
         try:
             numbers = train_run(self.models[arm.recipe], self.data, folder, options, self.eval_data, self.isolate)
         except DeltafyError as err:
@@ -317,6 +375,7 @@ class _Bench:
             "recipe": arm.recipe,
             "train": arm.train,
             "lr_multiplier": multiplier,
+            **_heads(heads),
             **_lrs(name, options),
             **numbers,
             "delta": numbers["loss_after"] - numbers["loss_before"],
@@ -332,13 +391,12 @@ class _Bench:
         write(self.out / BENCH_FILE, self.state)
 
     def result(self, names: list[str], seeds: int) -> BenchResult:
-        lrs = self.state["settings"]["lrs"]
         records = [r for name in names for r in self.state["records"] if r["arm"] == name and r["seed"] < seeds]
         for record in self.state["records"]:  # where the models are now: the folder may have moved since
             record["path"] = str(self.folder(record["arm"], record["seed"]).resolve())
         for record in self.state["sweep"]:
             record["path"] = str(self.sweep_folder(record["arm"], record["lr_multiplier"]).resolve())
-        rows = [_row(name, [r for r in records if r["arm"] == name], lrs) for name in names]
+        rows = [_row(name, [r for r in records if r["arm"] == name], self.edges[name]) for name in names]
         self.state["table"] = [asdict(row) for row in rows]
         self.state["arms"] = {name: asdict(ARMS[name]) | {"lora_r": self.budgets.rank(name)} for name in needed(names)}
         self.state["lora_targets"] = self.budgets.targets
@@ -385,6 +443,11 @@ def _keep_only_the_record(folder: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def _heads(multiplier: float | None) -> dict:
+    """The heads' own multiplier, recorded only where it is not the run's ``lr_multiplier``."""
+    return {} if multiplier is None else {"heads_lr_multiplier": multiplier}
+
+
 def _lrs(name: str, options) -> dict:
     train = ARMS[name].train
     lora = train != "heads"
@@ -395,7 +458,7 @@ def _lrs(name: str, options) -> dict:
     }
 
 
-def _row(name: str, records: list[dict], lrs: list[float]) -> Row:
+def _row(name: str, records: list[dict], at_edge: bool) -> Row:
     def mean(key: str) -> float:
         return sum(r[key] for r in records) / len(records)
 
@@ -421,7 +484,9 @@ def _row(name: str, records: list[dict], lrs: list[float]) -> Row:
         lora_r=first["lora_r"],
         seconds_per_step=mean("seconds_per_step"),
         peak_memory_bytes=max(peaks) if peaks else None,
-        lr_at_edge=len(lrs) > 1 and multiplier in (lrs[0], lrs[-1]),
+        lr_at_edge=at_edge,
+        heads_lr_multiplier=first.get("heads_lr_multiplier"),
+        lora_lr=first["lora_lr"],
     )
 
 

@@ -18,6 +18,9 @@ class Arm:
     description: str
     # The arm whose trainable-parameter count this arm's LoRA rank matches (LoRA arms only).
     lora_matches: str | None = None
+    # The arm whose swept learning rate this arm's heads train at; its own sweep then moves the
+    # LoRA rate alone (one joint multiplier would tie two groups whose best rates differ).
+    heads_lr_from: str | None = None
 
 
 ARMS: dict[str, Arm] = {
@@ -26,7 +29,7 @@ ARMS: dict[str, Arm] = {
     "learned": Arm("ddl-learned", "heads", "DDL heads with a learned low-rank direction"),
     "expanded": Arm("ddl-expanded", "heads", "the paper's expanded state (d_v channels)"),
     "lora": Arm("ddl-scalar", "lora", "LoRA alone at the heads' parameter count", lora_matches="heads"),
-    "ddl+lora": Arm("ddl-scalar", "heads+lora", "the DDL heads plus LoRA of the lora arm's rank", "heads"),
+    "ddl+lora": Arm("ddl-scalar", "heads+lora", "the DDL heads plus LoRA of the lora arm's rank", "heads", "heads"),
     "lora-2x": Arm("ddl-scalar", "lora", "LoRA at ddl+lora's parameter count", lora_matches="ddl+lora"),
     "lora-large": Arm("ddl-scalar", "lora", "LoRA at the learned direction's parameter count", "learned"),
 }
@@ -51,9 +54,9 @@ def needed(arms: list[str]) -> list[str]:
     order: list[str] = []
 
     def visit(name: str) -> None:
-        match = ARMS[name].lora_matches
-        if match is not None:
-            visit(match)
+        for before in (ARMS[name].lora_matches, ARMS[name].heads_lr_from):
+            if before is not None:
+                visit(before)
         if name not in order:
             order.append(name)
 

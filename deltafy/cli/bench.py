@@ -33,6 +33,12 @@ def bench_command(
     lrs: Annotated[
         str, typer.Option("--lrs", help="Multipliers of each arm's default learning rate to sweep.")
     ] = "0.3,1,3",
+    lr_extend: Annotated[
+        int,
+        typer.Option(
+            "--lr-extend", help="Rates a sweep may add past an end of --lrs where its best sits (0: exactly --lrs)."
+        ),
+    ] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per block.")] = 256,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step.")] = 8,
     eval_every: Annotated[
@@ -61,7 +67,7 @@ def bench_command(
       learned      a learned low-rank direction (ddl-learned)
       expanded     the expanded state (ddl-expanded)
       lora         LoRA alone, its rank matched to the heads' parameter count
-      ddl+lora     the heads plus LoRA of the lora arm's rank
+      ddl+lora     the heads, at the heads arm's best rate, plus LoRA of the lora arm's rank
       lora-2x      LoRA matched to ddl+lora's parameter count
       lora-large   LoRA matched to the learned direction's parameter count
 
@@ -75,6 +81,7 @@ def bench_command(
     for option, value in (("--steps", steps), ("--seeds", seeds), ("--max-eval-blocks", max_eval_blocks)):
         check_number(option, value, minimum=1)
     check_number("--eval-every", eval_every, minimum=1)
+    check_number("--lr-extend", lr_extend, minimum=0)
     with _Bar() as bar:
         result = run_bench(
             model,
@@ -85,6 +92,7 @@ def bench_command(
             steps=steps,
             seeds=seeds,
             lrs=_multipliers(lrs),
+            extend=lr_extend,
             seq_len=seq_len,
             batch_size=batch_size,
             eval_every=eval_every,
@@ -144,6 +152,14 @@ class _Bar:
         self._started().update(self.task, completed=done, total=total, description=escape(f"bench: {what}"))
 
 
+def _rate(row) -> str:
+    """The learning rate and its multiplier; the heads' and LoRA's apart where they were chosen apart."""
+    edge = "*" if row.lr_at_edge else ""
+    if row.heads_lr_multiplier is None:
+        return f"{row.lr:.2g} ×{row.lr_multiplier:g}{edge}"
+    return f"heads {row.lr:.2g} ×{row.heads_lr_multiplier:g}\nLoRA {row.lora_lr:.2g} ×{row.lr_multiplier:g}{edge}"
+
+
 def _print_table(result) -> None:
     from rich import box
     from rich.table import Table
@@ -154,7 +170,7 @@ def _print_table(result) -> None:
         title=f"deltafy bench · {escape(settings['source'])}",
         caption=(
             f"{settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']} tokens per arm; lr chosen on "
-            f"a held-out share of --data (* at an end of --lrs); Δ ± standard error over seeds; {memory} per run"
+            f"a held-out share of --data (* at an end of the sweep); Δ ± standard error over seeds; {memory} per run"
             + ("" if result.memory else " (measured on CUDA, or on a CPU with each run in its own process)")
         ),
         box=box.SIMPLE_HEAD,
@@ -169,7 +185,7 @@ def _print_table(result) -> None:
             f"{row.trainable_params:,}" + (f" r={row.lora_r}" if row.lora_r else ""),
             f"{row.loss_before:.4f} → {row.loss_after:.4f}",
             f"{row.delta:+.4f} ± {se}",
-            f"{row.lr:.2g} ×{row.lr_multiplier:g}" + ("*" if row.lr_at_edge else ""),
+            _rate(row),
             f"{row.seconds_per_step:.2f}",
             peak,
         )
@@ -177,6 +193,7 @@ def _print_table(result) -> None:
     edges = [row.arm for row in result.rows if row.lr_at_edge]
     if edges:
         console.print(
-            f"note: the best learning rate of {', '.join(edges)} is at an end of --lrs; a wider sweep may do better"
+            f"note: the best learning rate of {', '.join(edges)} is at an end of the sweep; a wider one "
+            "(--lrs, --lr-extend) may do better"
         )
     console.print(f"wrote [bold]{escape(str(result.json_path))}[/] and [bold]{escape(str(result.plot_path))}[/]")
