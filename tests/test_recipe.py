@@ -50,7 +50,7 @@ def test_learned_recipe_loads_by_name():
     assert recipe.rank == 16
     assert recipe.sites == ["attn", "mlp"]
     assert recipe.training.lr == 1e-3
-    assert recipe.training.gate_lr_scale == 100.0
+    assert recipe.gate == "strength" and recipe.gate_bias == 0.0 and recipe.training.gate_lr_scale == 10.0
 
 
 def test_every_bundled_recipe_is_valid_and_named_after_its_file():
