@@ -289,3 +289,14 @@ def test_paths_after_eval_data_stay_held_out(monkeypatch):
     monkeypatch.setattr(state, "argv", ["bench", "m", "--out", "o", "x"])
     with pytest.raises(DeltafyError, match="unexpected argument 'x'"):
         extra_text_paths(SimpleNamespace(args=["x"]))
+
+
+def test_the_command_defaults_are_the_librarys():
+    import inspect
+
+    from deltafy.bench import DEFAULT_EXTEND, DEFAULT_LRS
+    from deltafy.cli.bench import _multipliers, bench_command
+
+    parameters = inspect.signature(bench_command).parameters
+    assert parameters["lr_extend"].default == DEFAULT_EXTEND
+    assert tuple(_multipliers(parameters["lrs"].default)) == DEFAULT_LRS

@@ -23,7 +23,7 @@ from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, gu
 from .runs import curve, memory_kind, train_run
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
-DEFAULT_EXTEND = 2  # multipliers a sweep may add past an end of the grid where its best sits
+DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 

@@ -38,7 +38,7 @@ def bench_command(
         typer.Option(
             "--lr-extend", help="Rates a sweep may add past an end of --lrs where its best sits (0: exactly --lrs)."
         ),
-    ] = 2,
+    ] = 4,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per block.")] = 256,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step.")] = 8,
     eval_every: Annotated[
