@@ -20,7 +20,8 @@ from pathlib import Path
 from ..errors import DeltafyError
 from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
-from .runs import curve, memory_kind, train_run
+from .runs import curve, keep_only_the_record, memory_kind, train_run
+from .settings import check, data_fingerprints, default_eval_every, options_for
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
 DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
@@ -100,13 +101,13 @@ def run_bench(
 
     out = Path(out).expanduser()
     names = parse_arms(arms)
-    lrs = _check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite)
+    lrs = check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite)
     train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
     shared = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in held_files})
     if shared:
         raise DeltafyError(f"--eval-data {shared[0]} is also in --data: the held-out text must not be trained on")
     recipes = recipes_for(names)
-    _options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field)
+    options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field)
     settings = {
         "source": source,
         "data": list(data),
@@ -115,7 +116,7 @@ def run_bench(
         "seq_len": seq_len,
         "batch_size": batch_size,
         "lrs": lrs,
-        "eval_every": eval_every or _default_eval_every(steps),
+        "eval_every": eval_every or default_eval_every(steps),
         "max_eval_blocks": max_eval_blocks,
         "lora_targets": lora_targets,
         "text_field": text_field,
@@ -132,7 +133,7 @@ def run_bench(
             clear(out)
             saved = None
         models = {recipe: converted(source, out / "models" / recipe, recipe, status) for recipe in recipes}
-        settings |= _data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
+        settings |= data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
         if saved is not None:
             compare(saved["settings"], settings, out)
         state = saved or {"format": FORMAT, "settings": settings, "sweep": [], "records": []}
@@ -165,71 +166,6 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _default_eval_every(steps: int) -> int:
-    return max(1, steps // 5)  # five points of each curve besides the start
-
-
-def _check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite) -> list[float]:
-    if resume and overwrite:
-        raise DeltafyError("--resume and --overwrite contradict each other; pass one of them")
-    if not isinstance(steps, int) or steps < 1:
-        raise DeltafyError(f"--steps takes an integer ≥ 1; got {steps}")
-    if not isinstance(seeds, int) or seeds < 1:
-        raise DeltafyError(f"--seeds takes an integer ≥ 1 (the seeds 0 … K-1 each arm trains); got {seeds}")
-    lrs = [float(x) for x in lrs]
-    if not lrs or any(not math.isfinite(x) or x <= 0 for x in lrs) or len(set(lrs)) != len(lrs):
-        raise DeltafyError(
-            f"--lrs takes distinct positive multipliers of each arm's default learning rate, e.g. 0.3,1,3; got "
-            f"{','.join(f'{x:g}' for x in lrs) or 'none'}"
-        )
-    if not isinstance(extend, int) or extend < 0:
-        raise DeltafyError(f"--lr-extend takes an integer ≥ 0 (0: sweep exactly --lrs); got {extend}")
-    if not data:
-        raise DeltafyError("bench needs --data: the text every arm trains on")
-    if not eval_data:
-        raise DeltafyError("bench needs --eval-data: the held-out text every arm is reported on")
-    return sorted(lrs)
-
-
-def _options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field):
-    """Every value the runs take, checked before any work (each bad one named as its flag)."""
-    from ..recipe import load_recipe
-    from ..train import options_from
-
-    base = load_recipe(recipes[0]).training.model_dump()
-    options_from(
-        base,
-        steps=steps,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        eval_every=eval_every,
-        max_eval_blocks=max_eval_blocks,
-        lora_targets=lora_targets,
-        text_field=text_field,
-    )
-    for recipe in recipes[1:]:
-        load_recipe(recipe)
-
-
-def _data_fingerprints(model_dir: Path, data, eval_data, seq_len: int, text_field: str, status) -> dict:
-    """Read both texts once (the runs then find them in the token cache) and refuse text too short
-    to train, validate or report on before any run starts."""
-    from ..checkpoint import load_tokenizer
-    from ..data import fingerprint, pack, split_held_out, token_stream
-    from ..recipe import TrainingDefaults
-
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer is None:
-        raise DeltafyError(f"{model_dir} has no tokenizer; a bench needs one to read text")
-    status("reading the text")
-    split_held_out(pack(token_stream(data, tokenizer, text_field), seq_len), TrainingDefaults().held_out, 0)
-    pack(token_stream(eval_data, tokenizer, text_field), seq_len)
-    return {
-        "data_fingerprint": fingerprint(data, tokenizer, text_field),
-        "eval_data_fingerprint": fingerprint(eval_data, tokenizer, text_field),
-    }
 
 
 def _now() -> str:
@@ -280,13 +216,8 @@ class _Bench:
         rate = f"lr ×{best:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{best:g}"
         for seed in range(seeds):
             what = f"{name} · seed {seed + 1} of {seeds} ({rate})"
-            found = self._find("records", name, seed=seed)
-            saved = (self.folder(name, seed) / "config.json").is_file()
-            if (
-                found is None
-                or (found["lr_multiplier"], found.get("heads_lr_multiplier")) != (best, heads)
-                or not saved
-            ):
+            found = self._find("records", name, seed=seed, lr_multiplier=best, heads_lr_multiplier=heads)
+            if found is None or not (self.folder(name, seed) / "config.json").is_file():
                 self.report(self.done, self.total, what)
                 self._seed(name, best, heads, seed)
             self.done += 1
@@ -344,7 +275,7 @@ class _Bench:
         try:  # no eval data: run_training validates on its held-out share of the training text
             numbers = train_run(self.models[ARMS[name].recipe], self.data, folder, options, None, self.isolate)
             record |= {"validation_loss": numbers["loss_after"], "validation_loss_before": numbers["loss_before"]}
-            _keep_only_the_record(folder)
+            keep_only_the_record(folder)
         except NonFiniteLoss as err:  # a learning rate too large: the sweep's answer, not the bench's failure
             record |= {"validation_loss": None, "diverged": str(err)}
         self._add("sweep", record)
@@ -425,22 +356,6 @@ class _Bench:
         settings = self.state["settings"]
         title = f"{settings['source']} · {settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']}"
         return plot_bench(curves, self.out / PLOT_FILE, title)
-
-
-def _keep_only_the_record(folder: Path) -> None:
-    """A sweep run is scored by its validation loss alone: its model (a full copy of the base where LoRA
-    merges into it) is dropped, its metrics and run record kept."""
-    import shutil
-
-    from ..train import METRICS_FILE, RECORD_FILE, STATE_DIR
-
-    for path in folder.iterdir():
-        if path.name == STATE_DIR:
-            for inner in path.iterdir():
-                if inner.name != RECORD_FILE:
-                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
-        elif path.name != METRICS_FILE:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _heads(multiplier: float | None) -> dict:

@@ -99,3 +99,19 @@ def curve(out: Path) -> list[list[float]]:
     points |= {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r and "step" in r}
     points[summary["steps"]] = summary["loss_after"]
     return [[step, loss] for step, loss in sorted(points.items())]
+
+
+def keep_only_the_record(folder: Path) -> None:
+    """A sweep run is scored by its validation loss alone: its model (a full copy of the base where LoRA
+    merges into it) is dropped, its metrics and run record kept."""
+    import shutil
+
+    from ..train import METRICS_FILE, RECORD_FILE, STATE_DIR
+
+    for path in folder.iterdir():
+        if path.name == STATE_DIR:
+            for inner in path.iterdir():
+                if inner.name != RECORD_FILE:
+                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
+        elif path.name != METRICS_FILE:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
