@@ -89,7 +89,7 @@ def test_a_compiled_training_step_gives_eager_head_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     eager, traced = grads(model), grads(compiled)
-    assert eager.keys() == traced.keys() and len(eager) == 2 * 2 * 6
+    assert eager.keys() == traced.keys() and len(eager) == 2 * 2 * 7  # strength, gate, target, direction
     for name, grad in eager.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -349,7 +349,7 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
         handle.remove()
     assert len(calls) == 2, "the layer was not recomputed in backward: checkpointing is not active"
     assert not {id(s) for _, s in delta_sites(model)} & set(_stash()), "the recompute left stream tensors behind"
-    assert set(plain) == set(checkpointed) and len(plain) == 4 * 6  # gate (2), target (2), rank-16 direction (2)
+    assert set(plain) == set(checkpointed) and len(plain) == 4 * 7  # strength, gate (2), target (2), direction (2)
     for name, grad in plain.items():
         assert grad.abs().sum() > 0, f"no gradient reaches {name}"
         torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=1e-6, msg=name)
