@@ -234,24 +234,25 @@ class _Bench:
         if len(grid) == 1:
             self.chosen[name], self.edges[name] = (grid[0], heads), False
             return self.chosen[name]
-        tried: set[float] = set()
+        for multiplier in grid:
+            self._sweep_run(name, multiplier, heads)
         while True:
-            for multiplier in grid:
-                if multiplier in tried:
-                    continue
-                if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads) is None:
-                    self.report(self.done, self.total, f"{name} · sweep lr ×{multiplier:g}")
-                    self._validate(name, multiplier, heads)
-                tried.add(multiplier)
-                self.done += 1
             best = self._best(name, grid, heads)
             following = extended(grid, best)
             if following is None or len(grid) - len(self.lrs) >= self.extend:
                 break
             grid = sorted([*grid, following])
             self.total += 1
+            self._sweep_run(name, following, heads)
         self.chosen[name], self.edges[name] = (best, heads), following is not None
         return self.chosen[name]
+
+    def _sweep_run(self, name: str, multiplier: float, heads: float | None) -> None:
+        """One rate of the sweep, trained unless the bench has its score already."""
+        if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads) is None:
+            self.report(self.done, self.total, f"{name} · sweep lr ×{multiplier:g}")
+            self._validate(name, multiplier, heads)
+        self.done += 1
 
     def folder(self, name: str, seed: int) -> Path:
         return self.out / "runs" / name / f"seed-{seed}"
@@ -281,11 +282,8 @@ class _Bench:
         self._add("sweep", record)
 
     def _best(self, name: str, grid: list[float], heads: float | None) -> float:
-        scored = [
-            (r["validation_loss"], r["lr_multiplier"])
-            for r in self.state["sweep"]
-            if r["arm"] == name and r["lr_multiplier"] in grid and r.get("heads_lr_multiplier") == heads
-        ]
+        found = [self._find("sweep", name, lr_multiplier=m, heads_lr_multiplier=heads) for m in grid]
+        scored = [(r["validation_loss"], r["lr_multiplier"]) for r in found if r is not None]
         scored = [(loss, m) for loss, m in scored if loss is not None and math.isfinite(loss)]
         if not scored:
             raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
