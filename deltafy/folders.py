@@ -89,12 +89,27 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
     tmp = _sibling(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # SIGTERM (e.g. a scheduler killing the job) unwinds like Ctrl-C, so the cleanup below runs.
-    previous = signal.getsignal(signal.SIGTERM)
+    with sigterm_unwinds(), _replacing(tmp, out, merge):
+        yield tmp
+
+
+@contextmanager
+def sigterm_unwinds():
+    """SIGTERM (a scheduler killing the job, ``kill PID``) raises KeyboardInterrupt like Ctrl-C, so
+    the ``finally`` and ``except`` blocks it passes through run; the previous handler is restored."""
     try:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-    except ValueError:  # not the main thread
-        previous = None
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+
+
+@contextmanager
+def _replacing(tmp: Path, out: Path, merge: bool):
     try:
         yield tmp
         if merge and out.is_dir():
@@ -117,9 +132,6 @@ def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
         if code is not None:
             raise DeltafyError(f"could not write {out}: {os.strerror(code)}; nothing was written") from err
         raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _move_into(src: Path, dest: Path) -> None:

@@ -4,11 +4,15 @@ reproduces, a sweep that never sees the reported held-out text, resumption, matc
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from _train_helpers import REPO
+from _train_helpers import REPO, subprocess_env
 from test_cli import assert_one_line_error, cli
 
 from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
@@ -184,6 +188,54 @@ def test_an_unfinished_bench_resumes_from_its_last_finished_run(tiny, tmp_path):
     again = bench(tiny, out, arms=["heads"], seeds=2, lrs=[1], resume=True)
     assert again.trained == 2 and [r["seed"] for r in again.records] == [0, 1]
     assert all(Path(r["path"], "config.json").stat().st_mtime >= stamp for r in again.records)
+
+
+def _bench_children(pid: int) -> list[int]:
+    """The bench's training runs in processes of their own: the children of ``pid`` running one."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # a process that ended while we looked
+            continue
+        if ppid == pid and b"deltafy.bench.child" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the bench's child processes in /proc")
+def test_sigterm_stops_the_bench_and_the_run_it_started(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltafy", "bench", str(tiny.stock), "--data", str(tiny.train_txt), "--eval-data",
+         str(tiny.held_txt), "--out", str(out), "--arms", "heads", "--steps", "5000", "--seeds", "1", "--lrs", "1",
+         "--seq-len", "64", "--batch-size", "4", "--max-eval-blocks", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := _bench_children(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in stderr, stderr
+        (error,) = [line for line in stderr.splitlines() if line.strip()]
+        assert error.startswith("error: interrupted;") and "--resume" in error, error
+        for child in children:  # reaped by the bench: it waited for its run to stop
+            with pytest.raises(ProcessLookupError):
+                os.kill(child, 0)
+        assert not (out / ".deltafy-lock").exists()
+    finally:
+        for child in children:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,7 @@ def run_bench(
         compare(saved["settings"], settings, out)
     isolate = not _cuda() if isolate is None else isolate
 
+    from ..folders import sigterm_unwinds
     from ..runs import RunLock
 
     with RunLock(out):
@@ -142,8 +143,16 @@ def run_bench(
         report = progress or (lambda done, total, what: None)
         bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend)
         bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * len(_swept(names))
-        for name in names:
-            bench.arm(name, seeds)
+        try:
+            with sigterm_unwinds():
+                for name in names:
+                    bench.arm(name, seeds)
+        except KeyboardInterrupt:
+            done = len(state["sweep"]) + len(state["records"])
+            raise DeltafyError(
+                f"interrupted; the {done} runs the bench finished are kept in {out / BENCH_FILE}: continue with "
+                f"the same command plus --resume"
+            ) from None
         report(bench.total, bench.total, "done")
         return bench.result(names, seeds)
 

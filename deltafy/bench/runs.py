@@ -49,20 +49,39 @@ def _in_child(model_dir, data, out, options, eval_data) -> dict:
     with tempfile.TemporaryDirectory(prefix="deltafy-bench-") as tmp:
         spec, answer = Path(tmp, "job.json"), Path(tmp, "answer.json")
         spec.write_text(json.dumps(job))
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "deltafy.bench.child", str(spec), str(answer)],
             env=env,
             stdin=subprocess.DEVNULL,
-            capture_output=True,  # libraries' warnings, once per run, would bury the bench's progress
+            stdout=subprocess.PIPE,  # libraries' warnings, once per run, would bury the bench's progress
+            stderr=subprocess.PIPE,
             text=True,
         )
+        try:
+            _, stderr = proc.communicate()
+        except BaseException:  # the bench was interrupted: its run must not go on writing without it
+            _stop(proc)
+            raise
         reply = json.loads(answer.read_text()) if answer.is_file() else {}
     if "numbers" in reply:
         return reply["numbers"]
     if "error" in reply:
         raise ERROR_KINDS.get(reply["kind"], DeltafyError)(reply["error"])
-    lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+    lines = stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
     raise RuntimeError(f"the training run in {out} failed in its own process: {lines[-1]}")
+
+
+def _stop(proc, grace: float = 60.0) -> None:
+    """SIGTERM stops a training run at its next step boundary; one that does not stop in ``grace``
+    seconds is killed."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def train(model_dir, data, out, options, eval_data) -> dict:
