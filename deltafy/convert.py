@@ -13,6 +13,7 @@ from .modeling_deltafy import (
     DeltaSite,
     DeltaSpec,
     apply_deltafy,
+    delta_parameters,
     delta_sites,
     delta_tensors,
     remove_deltafy,
@@ -117,14 +118,13 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     if recipe is None:
         recipe = Recipe.model_validate(model.config.deltafy["recipe"])
     t = recipe.training
-    gates, others = [], []
+    gates = []
     for _, site in delta_sites(model):
         # alpha (gate: strength) moves with the gate: both set how strongly the correction acts
         gates += [*site.gate.parameters(), *([site.strength] if site.strength is not None else [])]
-        others += [p for n, p in site.named_parameters() if not n.startswith("gate.") and n != "strength"]
-    for name, module in model.named_modules():  # an expanded stream's final read
-        if name.endswith("delta.final"):
-            others += list(module.parameters())
+    gate_ids = {id(p) for p in gates}
+    # every other head deltafy added, in the layers' order: targets, directions, an expanded stream's reads
+    others = [p for p in delta_parameters(model) if id(p) not in gate_ids]
     return [
         {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
         # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of

@@ -34,6 +34,14 @@ from torch import nn
 
 DELTAFY_FORMAT_VERSION = 1
 GATES = ("logit", "strength")
+DIRECTIONS = ("sublayer", "learned")
+
+
+def _check_kinds(direction: str, gate: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {direction!r}")
+    if gate not in GATES:
+        raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {gate!r}")
 
 
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
@@ -67,10 +75,7 @@ class DeltaSpec:
     channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
 
     def __post_init__(self):
-        if self.direction not in ("sublayer", "learned"):
-            raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {self.direction!r}")
-        if self.gate not in GATES:
-            raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {self.gate!r}")
+        _check_kinds(self.direction, self.gate)
         if self.rank is not None and self.direction != "learned":
             raise ValueError("deltafy: rank applies only to a learned direction")
         if not (isinstance(self.channels, int) and self.channels >= 1):
@@ -178,10 +183,7 @@ class DeltaSite(nn.Module):
         read: int | None = None,
     ):
         super().__init__()
-        if direction not in ("sublayer", "learned"):
-            raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {direction!r}")
-        if gate not in GATES:
-            raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {gate!r}")
+        _check_kinds(direction, gate)
         if not scale > 0:
             raise ValueError(f"deltafy: the scale on a residual write must be positive, got {scale}")
         self.hidden_size = hidden_size
@@ -532,6 +534,12 @@ def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(getattr(module, "delta", None), nn.ModuleDict)
         for key, tensor in module.delta.state_dict().items()
     }
+
+
+def delta_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter deltafy added, in the order of ``delta_tensors``."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "delta", None), nn.ModuleDict)]
+    return [p for layer in layers for p in layer.delta.parameters()]
 
 
 def mean_betas(model: nn.Module, run) -> dict[str, float]:

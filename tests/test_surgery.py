@@ -396,3 +396,13 @@ def test_head_parameter_groups_use_the_given_recipe():
     assert by_name["heads"]["lr"] == pytest.approx(2e-4)
     assert by_name["heads"]["weight_decay"] == 0.01
     assert by_name["gate"]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("field, value", [("direction", "random"), ("gate", "sigmoid")])
+def test_spec_and_site_refuse_an_unknown_direction_or_gate(field, value):
+    from deltafy.modeling_deltafy import DeltaSite, DeltaSpec
+
+    with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):
+        DeltaSpec(layers="model.layers", hidden_size=8, sites=(), **{field: value})
+    with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):
+        DeltaSite(8, **{field: value})
