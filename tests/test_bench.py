@@ -222,7 +222,7 @@ def test_sigterm_stops_the_bench_and_the_run_it_started(tiny, tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "Traceback" not in stderr, stderr
-        (error,) = [line for line in stderr.splitlines() if line.strip()]
+        (error,) = [line for line in stderr.splitlines() if not line.startswith("bench: ")]  # less the log lines
         assert error.startswith("error: interrupted;") and "--resume" in error, error
         for child in children:  # reaped by the bench: it waited for its run to stop
             with pytest.raises(ProcessLookupError):
@@ -312,6 +312,14 @@ def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tin
     heads, lora = state["records"][0]["lr"], state["records"][1]["lora_lr"]
     assert f"heads {heads:.2g} ×1" in proc.stdout and f"LoRA {lora:.2g} ×1" in proc.stdout  # ddl+lora's two rates
     assert (out / PLOT_FILE).is_file()
+    # Off a terminal, a plain line as each run starts (a log of an hour-long bench is not left empty).
+    runs = [line for line in proc.stderr.splitlines() if line.startswith("bench: run ")]
+    assert runs == [
+        "bench: run 1/3: heads · seed 1 of 1 (lr ×1)",
+        "bench: run 2/3: lora · seed 1 of 1 (lr ×1)",
+        "bench: run 3/3: ddl+lora · seed 1 of 1 (heads ×1, LoRA ×1)",
+    ], proc.stderr
+    assert "bench: converting" in proc.stderr
 
 
 @pytest.mark.parametrize(

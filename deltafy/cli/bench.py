@@ -116,10 +116,13 @@ def _multipliers(text: str) -> list[float]:
 
 class _Bar:
     """One bar over every run of the bench, its description saying which arm runs and whether it is
-    the learning-rate sweep or a seed; between runs it says what is being prepared."""
+    the learning-rate sweep or a seed; between runs it says what is being prepared. Off a terminal
+    (a log file, a batch job) a plain line for each run instead, which an hour-long bench owes a log."""
 
     def __enter__(self) -> _Bar:
         self.bars = None
+        self.plain = not err_console.is_terminal
+        self.said = None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -146,10 +149,23 @@ class _Bar:
         return self.bars
 
     def status(self, message: str) -> None:
-        self._started().update(self.task, description=escape(message) + " …")
+        if self.plain:
+            self._say(f"bench: {message} …", message)
+        else:
+            self._started().update(self.task, description=escape(message) + " …")
 
     def progress(self, done: int, total: int, what: str) -> None:
-        self._started().update(self.task, completed=done, total=total, description=escape(f"bench: {what}"))
+        if self.plain:
+            if what != "done":
+                self._say(f"bench: run {min(done + 1, total)}/{total}: {what}", what)
+        else:
+            self._started().update(self.task, completed=done, total=total, description=escape(f"bench: {what}"))
+
+    def _say(self, line: str, what: str) -> None:
+        """The line of ``what`` once: a run is reported as it starts and again as it ends."""
+        if what != self.said:
+            self.said = what
+            err_console.print(escape(line), highlight=False, soft_wrap=True)
 
 
 def _rate(row) -> str:
