@@ -64,9 +64,11 @@ def test_one_record_per_arm_and_seed_with_every_field(benched):
         assert [step for step, _ in record["curve"]] == [0, 1, 2]
         assert record["curve"][-1][1] == record["loss_after"]
         assert Path(record["path"]) == (out / "runs" / record["arm"] / f"seed-{record['seed']}").resolve()
-    assert sorted((r["arm"], r["lr_multiplier"]) for r in state["sweep"]) == sorted(
-        (a, m) for a in ARMS_RUN for m in (1.0, 3.0)
-    )
+    points = {a: [] for a in ARMS_RUN}
+    for r in state["sweep"]:
+        points[r["arm"]] = sorted([*points[r["arm"]], (r["lr_multiplier"], r.get("heads_lr_multiplier", 0))])
+    assert points["heads"] == points["lora"] == [(1.0, 0), (3.0, 0)]  # 0: no rate of the heads' own
+    assert len(points["ddl+lora"]) == 3  # its LoRA rate at two points, then its heads' rate at one more
     assert all(r["validation_loss"] > 0 for r in state["sweep"])
     assert [row["arm"] for row in state["table"]] == ARMS_RUN == [row.arm for row in result.rows]
 
@@ -81,24 +83,35 @@ def test_table_equals_an_independent_evaluation_of_each_saved_model(tiny, benche
         mine = [r for r in result.records if r["arm"] == row.arm]
         assert row.loss_after == pytest.approx(sum(r["loss_after"] for r in mine) / 2)
         assert row.delta_se is not None and row.delta_se >= 0
-        # The seeds trained at the learning rate the sweep found best on its validation share.
-        sweep = {r["lr_multiplier"]: r["validation_loss"] for r in result.sweep if r["arm"] == row.arm}
-        assert row.lr_multiplier == min(sweep, key=sweep.get)
         assert {r["lr_multiplier"] for r in mine} == {row.lr_multiplier}
+        if row.heads_lr_multiplier is None:  # one rate: the best the sweep found on its validation share
+            sweep = {r["lr_multiplier"]: r["validation_loss"] for r in result.sweep if r["arm"] == row.arm}
+            assert row.lr_multiplier == min(sweep, key=sweep.get)
 
 
-def test_ddl_lora_trains_its_heads_at_the_heads_arms_best_rate_and_sweeps_its_lora_rate(benched):
+def test_ddl_lora_sweeps_its_lora_rate_at_the_heads_arms_best_then_its_heads_rate_at_that(benched):
     _, result, _ = benched
     rows = {row.arm: row for row in result.rows}
     heads, lora, combined = rows["heads"], rows["lora"], rows["ddl+lora"]
-    assert combined.heads_lr_multiplier == heads.lr_multiplier and combined.lr == heads.lr
-    assert combined.lora_lr == lora.lora_lr / lora.lr_multiplier * combined.lr_multiplier
     swept = [r for r in result.sweep if r["arm"] == "ddl+lora"]
-    assert {r["heads_lr_multiplier"] for r in swept} == {heads.lr_multiplier}
     base = lora.lora_lr / lora.lr_multiplier  # LoRA's rate at multiplier 1
-    assert [r["lora_lr"] / r["lr_multiplier"] for r in swept] == pytest.approx([base, base])
-    assert all(r["heads_lr_multiplier"] == heads.lr_multiplier for r in result.records if r["arm"] == "ddl+lora")
+    assert [r["lora_lr"] / r["lr_multiplier"] for r in swept] == pytest.approx([base] * 3)
+    lora_line = {r["lr_multiplier"]: r for r in swept if r["heads_lr_multiplier"] == heads.lr_multiplier}
+    assert sorted(lora_line) == [1.0, 3.0]
+    best_lora = min(lora_line, key=lambda m: lora_line[m]["validation_loss"])
+    heads_line = {r["heads_lr_multiplier"]: r for r in swept if r["lr_multiplier"] == best_lora}
+    assert sorted(heads_line) == [1.0, 3.0]
+    best_heads = min(heads_line, key=lambda h: heads_line[h]["validation_loss"])
+    assert (combined.lr_multiplier, combined.heads_lr_multiplier) == (best_lora, best_heads)
+    assert combined.lr == heads.lr / heads.lr_multiplier * best_heads
+    assert combined.lora_lr == pytest.approx(base * best_lora)
+    mine = [r for r in result.records if r["arm"] == "ddl+lora"]
+    assert all((r["lr_multiplier"], r["heads_lr_multiplier"]) == (best_lora, best_heads) for r in mine)
     assert all("heads_lr_multiplier" not in r for r in result.records if r["arm"] != "ddl+lora")
+    # Each point of its sweep in a folder of its own.
+    for r in swept:
+        assert Path(r["path"]).name == f"lr-{r['lr_multiplier']:g}x-heads-{r['heads_lr_multiplier']:g}x"
+    assert all(Path(r["path"], "metrics.jsonl").is_file() for r in swept)
 
 
 def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
@@ -118,7 +131,7 @@ def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
 def test_the_sweep_never_reads_the_reported_held_out_text(tiny, benched):
     out, _, _ = benched
     sweeps = sorted((out / "runs").glob("*/lr-*x"))
-    assert len(sweeps) == 2 * len(ARMS_RUN)
+    assert len(sweeps) == 2 * len(ARMS_RUN) + 1  # ddl+lora's heads' rate at one more point
     for run in sweeps:
         record = json.loads((run / "training" / "run.json").read_text())
         assert record["eval_sources"] == [] and record["data_sources"] == [str(tiny.train_txt)]
@@ -148,7 +161,7 @@ def test_lora_ranks_match_the_parameter_budgets(tiny, benched, tmp_path):
 
 def test_progress_names_the_arm_and_the_kind_of_run(benched):
     _, _, seen = benched
-    total = len(ARMS_RUN) * (2 + 2)
+    total = len(ARMS_RUN) * (2 + 2) + 2  # ddl+lora's second line: its heads' rate
     assert {t for _, t, _ in seen} == {total} and seen[-1][0] == total
     assert any(what == "lora · sweep lr ×3" for _, _, what in seen)
     assert any(what.startswith("ddl+lora · seed 2 of 2") for _, _, what in seen)

@@ -142,7 +142,8 @@ def run_bench(
         budgets = Budgets(models, lora_targets)
         report = progress or (lambda done, total, what: None)
         bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend)
-        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * len(_swept(names))
+        lines = len(_swept(names)) + sum(ARMS[n].heads_lr_from is not None for n in names)  # ddl+lora: two
+        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines
         try:
             with sigterm_unwinds():
                 for name in names:
@@ -233,41 +234,66 @@ class _Bench:
             self.report(self.done, self.total, what)
 
     def sweep(self, name: str) -> tuple[float, float | None]:
-        """The arm's best multiplier and the heads' one it borrows, from the sweep runs it has or
-        trains now: the grid of --lrs, then past whichever end holds the best, ``extend`` times at most."""
+        """The arm's best multiplier and its heads' one, from the sweep runs it has or trains now.
+
+        Each is a line search: the grid of --lrs, then past whichever end holds the best, ``extend``
+        times at most. An arm that borrows its heads' rate (ddl+lora) searches its LoRA rate with
+        the heads at the borrowed rate, then its heads' rate at that LoRA rate: the heads' best
+        alone need not be their best beside LoRA (one round: each group's rate is searched once).
+        """
         if name in self.chosen:
             return self.chosen[name]
         source = ARMS[name].heads_lr_from
         heads = self.sweep(source)[0] if source is not None else None
-        grid = list(self.lrs)
-        if len(grid) == 1:
-            self.chosen[name], self.edges[name] = (grid[0], heads), False
+        if len(self.lrs) == 1:
+            self.chosen[name], self.edges[name] = (self.lrs[0], heads), False
             return self.chosen[name]
-        for multiplier in grid:
-            self._sweep_run(name, multiplier, heads)
-        while True:
-            best = self._best(name, grid, heads)
-            following = extended(grid, best)
-            if following is None or len(grid) - len(self.lrs) >= self.extend:
-                break
-            grid = sorted([*grid, following])
-            self.total += 1
-            self._sweep_run(name, following, heads)
-        self.chosen[name], self.edges[name] = (best, heads), following is not None
+        best, edge = self._line(name, lambda m: (m, heads), self.lrs)
+        if heads is not None:
+            heads, heads_edge = self._line(name, lambda h: (best, h), sorted({*self.lrs, heads}))
+            edge = edge or heads_edge
+        self.chosen[name], self.edges[name] = (best, heads), edge
         return self.chosen[name]
 
+    def _line(self, name: str, point, grid: list[float]) -> tuple[float, bool]:
+        """The best value of one rate along ``grid`` with the other held (``point(m)``: the run's
+        multiplier and its heads' one), and whether it is still at an end of the extended grid."""
+        grid = list(grid)
+        self.total += len(grid) - len(self.lrs)  # a borrowed rate off the grid: one more run
+        for m in grid:
+            self._sweep_run(name, *point(m))
+        added = 0
+        while True:
+            scores = [(self._score(name, *point(m)), m) for m in grid]
+            scores = [(loss, m) for loss, m in scores if loss is not None]
+            if not scores:
+                raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
+            best = min(scores)[1]
+            following = extended(grid, best)
+            if following is None or added >= self.extend:
+                return best, following is not None
+            grid, added = sorted([*grid, following]), added + 1
+            self.total += 1
+            self._sweep_run(name, *point(following))
+
     def _sweep_run(self, name: str, multiplier: float, heads: float | None) -> None:
-        """One rate of the sweep, trained unless the bench has its score already."""
+        """One point of the sweep, trained unless the bench has its score already."""
         if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads) is None:
-            self.report(self.done, self.total, f"{name} · sweep lr ×{multiplier:g}")
+            rate = f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{multiplier:g}"
+            self.report(self.done, self.total, f"{name} · sweep {rate}")
             self._validate(name, multiplier, heads)
         self.done += 1
+
+    def _score(self, name: str, multiplier: float, heads: float | None) -> float | None:
+        """A sweep point's validation loss; None where it diverged."""
+        loss = self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads)["validation_loss"]
+        return loss if loss is not None and math.isfinite(loss) else None
 
     def folder(self, name: str, seed: int) -> Path:
         return self.out / "runs" / name / f"seed-{seed}"
 
-    def sweep_folder(self, name: str, multiplier: float) -> Path:
-        return self.out / "runs" / name / f"lr-{multiplier:g}x"
+    def sweep_folder(self, name: str, multiplier: float, heads: float | None = None) -> Path:
+        return self.out / "runs" / name / (f"lr-{multiplier:g}x" + ("" if heads is None else f"-heads-{heads:g}x"))
 
     def _find(self, key: str, arm: str, **match) -> dict | None:
         return next(
@@ -277,8 +303,9 @@ class _Bench:
     def _validate(self, name: str, multiplier: float, heads: float | None) -> None:
         from ..engine import NonFiniteLoss
 
-        folder = self.sweep_folder(name, multiplier)
-        self.state["sweep"] = [r for r in self.state["sweep"] if (r["arm"], r["lr_multiplier"]) != (name, multiplier)]
+        folder = self.sweep_folder(name, multiplier, heads)
+        point = (name, multiplier, heads)
+        self.state["sweep"] = [r for r in self.state["sweep"] if _point(r) != point]  # an unfinished try's
         options = self.options(name, multiplier, heads, 0, validation=True)
         record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), **_lrs(name, options)}
         record["path"] = str(folder.resolve())
@@ -289,14 +316,6 @@ class _Bench:
         except NonFiniteLoss as err:  # a learning rate too large: the sweep's answer, not the bench's failure
             record |= {"validation_loss": None, "diverged": str(err)}
         self._add("sweep", record)
-
-    def _best(self, name: str, grid: list[float], heads: float | None) -> float:
-        found = [self._find("sweep", name, lr_multiplier=m, heads_lr_multiplier=heads) for m in grid]
-        scored = [(r["validation_loss"], r["lr_multiplier"]) for r in found if r is not None]
-        scored = [(loss, m) for loss, m in scored if loss is not None and math.isfinite(loss)]
-        if not scored:
-            raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
-        return min(scored)[1]
 
     def _seed(self, name: str, multiplier: float, heads: float | None, seed: int) -> None:
         arm = ARMS[name]
@@ -333,7 +352,7 @@ class _Bench:
         for record in self.state["records"]:  # where the models are now: the folder may have moved since
             record["path"] = str(self.folder(record["arm"], record["seed"]).resolve())
         for record in self.state["sweep"]:
-            record["path"] = str(self.sweep_folder(record["arm"], record["lr_multiplier"]).resolve())
+            record["path"] = str(self.sweep_folder(*_point(record)).resolve())
         rows = [_row(name, [r for r in records if r["arm"] == name], self.edges[name]) for name in names]
         self.state["table"] = [asdict(row) for row in rows]
         self.state["arms"] = {name: asdict(ARMS[name]) | {"lora_r": self.budgets.rank(name)} for name in needed(names)}
@@ -363,6 +382,10 @@ class _Bench:
         settings = self.state["settings"]
         title = f"{settings['source']} · {settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']}"
         return plot_bench(curves, self.out / PLOT_FILE, title)
+
+
+def _point(record: dict) -> tuple[str, float, float | None]:
+    return record["arm"], record["lr_multiplier"], record.get("heads_lr_multiplier")
 
 
 def _heads(multiplier: float | None) -> dict:
