@@ -178,8 +178,11 @@ def test_resume_trains_nothing_finished_and_a_changed_setting_is_refused(tiny, b
     before = (out / BENCH_FILE).read_text()
     with pytest.raises(DeltafyError, match="holds a bench already; pass --resume"):
         bench(tiny, out)
-    again = bench(tiny, out, resume=True)
+    seen = []
+    again = bench(tiny, out, resume=True, progress=lambda done, total, what: seen.append(what))
     assert again.trained == 0
+    seeds = [what for what in seen if " · seed " in what]
+    assert len(seeds) == 2 * len(ARMS_RUN) and all(what.endswith(": kept from before") for what in seeds), seen
     assert [r["finished_at"] for r in again.records] == [r["finished_at"] for r in first.records]
     assert json.loads((out / BENCH_FILE).read_text())["records"] == json.loads(before)["records"]
     with pytest.raises(DeltafyError, match=r"other settings \(--steps 2 → 3; --lrs 1,3 → 1,2\)"):

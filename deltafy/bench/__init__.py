@@ -230,6 +230,8 @@ class _Bench:
             if found is None or not (self.folder(name, seed) / "config.json").is_file():
                 self.report(self.done, self.total, what)
                 self._seed(name, best, heads, seed)
+            else:
+                what += ": kept from before"  # a resumed bench says what it did not train again
             self.done += 1
             self.report(self.done, self.total, what)
 
