@@ -38,10 +38,9 @@ DIRECTIONS = ("sublayer", "learned")
 
 
 def _check_kinds(direction: str, gate: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"deltafy: direction must be 'sublayer' or 'learned', got {direction!r}")
-    if gate not in GATES:
-        raise ValueError(f"deltafy: gate must be 'logit' or 'strength', got {gate!r}")
+    for field, value, choices in (("direction", direction, DIRECTIONS), ("gate", gate, GATES)):
+        if value not in choices:
+            raise ValueError(f"deltafy: {field} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
@@ -525,21 +524,26 @@ def delta_sites(model: nn.Module):
             yield name, module
 
 
+def _delta_dicts(model: nn.Module):
+    """Yield (qualified name of the layer, its ``delta`` ModuleDict) for every converted layer."""
+    for prefix, module in model.named_modules():
+        if isinstance(getattr(module, "delta", None), nn.ModuleDict):
+            yield prefix, module.delta
+
+
 def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor deltafy added (the sites' heads and an expanded stream's final read), by its name
     in the model's state dict."""
     return {
         f"{prefix}{'.' if prefix else ''}delta.{key}": tensor
-        for prefix, module in model.named_modules()
-        if isinstance(getattr(module, "delta", None), nn.ModuleDict)
-        for key, tensor in module.delta.state_dict().items()
+        for prefix, delta in _delta_dicts(model)
+        for key, tensor in delta.state_dict().items()
     }
 
 
 def delta_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every parameter deltafy added, in the order of ``delta_tensors``."""
-    layers = [m for m in model.modules() if isinstance(getattr(m, "delta", None), nn.ModuleDict)]
-    return [p for layer in layers for p in layer.delta.parameters()]
+    return [p for _, delta in _delta_dicts(model) for p in delta.parameters()]
 
 
 def mean_betas(model: nn.Module, run) -> dict[str, float]:
