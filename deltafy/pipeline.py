@@ -124,7 +124,7 @@ def convert_source(
         status(f"fetching {source} from the Hugging Face Hub")
         folder, provenance = download_snapshot(source) or (folder, None)
     elif streaming is not False and device is None and (source in ALIASES or is_gguf_file(folder)):
-        status(f"dequantizing {source} into deltafy's cache (once per file)")
+        status(f"reading {source} through deltafy's cache (dequantized on first use only)")
         cached, provenance = gguf_folder(source)
         folder = cached or folder
     if streaming is not False and folder.is_dir() and (folder / "config.json").is_file() and device is None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _train_helpers import REPO, subprocess_env
+from _train_helpers import subprocess_env
 from test_cli import assert_one_line_error, cli
 
 from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
@@ -299,7 +299,31 @@ def test_bad_data_and_out_are_refused(tiny, tmp_path):
     assert (mine / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.skipif(not (REPO / "recipes" / "ddl-expanded.yaml").is_file(), reason="no ddl-expanded recipe yet")
+def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, monkeypatch):
+    from dataclasses import replace
+
+    from deltafy.bench import _row
+    from deltafy.cli._console import console
+    from deltafy.cli.bench import _print_table
+
+    _, result, _ = benched
+    records = [r for r in result.records if r["arm"] == "heads"]
+    # A random model's held-out loss barely moves, up or down: nothing to mark.
+    assert max(abs(loss - r["loss_before"]) for r in records for _, loss in r["curve"]) < 1e-3
+    assert _row("heads", records, False).rose_above_start == []
+    # Seed 1 as the KJV's cliff-edge rate left it: far above its start at the first evaluation, then back below.
+    before = records[1]["loss_before"]
+    jumped = records[1] | {"curve": [[0, before], [1, before + 0.7], [2, before - 0.01]]}
+    row = _row("heads", [records[0], jumped], False)
+    assert row.rose_above_start == [(1, 1)]
+    monkeypatch.setattr(console, "width", 250)
+    with console.capture() as captured:
+        _print_table(replace(result, rows=[row]))
+    text = captured.get()
+    assert f"{row.delta:+.4f} ± {row.delta_se:.4f}!" in text
+    assert "note: the held-out loss of heads rose over 1% above where it started (seed 1 at step 1)" in text
+
+
 def test_the_expanded_arm_trains_from_its_own_recipe(tiny, tmp_path):
     result = bench(tiny, tmp_path / "out", arms=["expanded"], seeds=1, lrs=[1])
     (record,) = result.records

@@ -25,6 +25,9 @@ from .settings import check, data_fingerprints, default_eval_every, options_for
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
 DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
+# A seed whose held-out loss rises more than this share above its start is marked: a rate at the edge of
+# divergence (the KJV's heads at ×10 jumped 22%), not the noise of a held-out loss that barely moves.
+ROSE = 0.01
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 
@@ -48,6 +51,8 @@ class Row:
     lr_at_edge: bool  # the best rate is at an end of the sweep, even after extending it: it may be too narrow
     heads_lr_multiplier: float | None = None  # where the heads train at another arm's best rate
     lora_lr: float | None = None
+    # (seed, first such step) for each seed whose held-out loss rose over ROSE above its loss before training.
+    rose_above_start: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -434,7 +439,14 @@ def _row(name: str, records: list[dict], at_edge: bool) -> Row:
         lr_at_edge=at_edge,
         heads_lr_multiplier=first.get("heads_lr_multiplier"),
         lora_lr=first["lora_lr"],
+        rose_above_start=[(r["seed"], step) for r in records if (step := _rose(r)) is not None],
     )
+
+
+def _rose(record: dict) -> int | None:
+    """The first step at which a run's held-out loss was over ROSE above its loss before training, if any."""
+    limit = record["loss_before"] * (1 + ROSE)
+    return next((step for step, loss in record["curve"] if step > 0 and loss > limit), None)
 
 
 __all__ = ["ARMS", "BenchResult", "Row", "run_bench"]

@@ -180,13 +180,16 @@ def _print_table(result) -> None:
     from rich import box
     from rich.table import Table
 
+    from ..bench import ROSE
+
     settings = result.settings
     memory = result.memory or "peak memory"
     table = Table(
         title=f"deltafy bench · {escape(settings['source'])}",
         caption=(
             f"{settings['steps']} steps of {settings['batch_size']}×{settings['seq_len']} tokens per arm; lr chosen on "
-            f"a held-out share of --data (* at an end of the sweep); Δ ± standard error over seeds; {memory} per run"
+            f"a held-out share of --data (* at an end of the sweep); Δ ± standard error over seeds (! a seed rose over "
+            f"{ROSE:.0%} above its start); {memory} per run"
             + ("" if result.memory else " (measured on CUDA, or on a CPU with each run in its own process)")
         ),
         box=box.SIMPLE_HEAD,
@@ -200,7 +203,7 @@ def _print_table(result) -> None:
             row.arm,
             f"{row.trainable_params:,}" + (f" r={row.lora_r}" if row.lora_r else ""),
             f"{row.loss_before:.4f} → {row.loss_after:.4f}",
-            f"{row.delta:+.4f} ± {se}",
+            f"{row.delta:+.4f} ± {se}" + ("!" if row.rose_above_start else ""),
             _rate(row),
             f"{row.seconds_per_step:.2f}",
             peak,
@@ -212,4 +215,11 @@ def _print_table(result) -> None:
             f"note: the best learning rate of {', '.join(edges)} is at an end of the sweep; a wider one "
             "(--lrs, --lr-extend) may do better"
         )
+    for row in result.rows:
+        if row.rose_above_start:
+            seeds = ", ".join(f"seed {seed} at step {step}" for seed, step in row.rose_above_start)
+            console.print(
+                f"note: the held-out loss of {row.arm} rose over {ROSE:.0%} above where it started ({seeds}): its rate may sit at "
+                f"the edge of divergence; see {escape(str(result.plot_path))} before trusting the row"
+            )
     console.print(f"wrote [bold]{escape(str(result.json_path))}[/] and [bold]{escape(str(result.plot_path))}[/]")
