@@ -302,7 +302,7 @@ def test_bad_data_and_out_are_refused(tiny, tmp_path):
 def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, monkeypatch):
     from dataclasses import replace
 
-    from deltafy.bench import _row
+    from deltafy.bench.table import row_of
     from deltafy.cli._console import console
     from deltafy.cli.bench import _print_table
 
@@ -310,11 +310,11 @@ def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, m
     records = [r for r in result.records if r["arm"] == "heads"]
     # A random model's held-out loss barely moves, up or down: nothing to mark.
     assert max(abs(loss - r["loss_before"]) for r in records for _, loss in r["curve"]) < 1e-3
-    assert _row("heads", records, False).rose_above_start == []
+    assert row_of("heads", records, False).rose_above_start == []
     # Seed 1 as the KJV's cliff-edge rate left it: far above its start at the first evaluation, then back below.
     before = records[1]["loss_before"]
     jumped = records[1] | {"curve": [[0, before], [1, before + 0.7], [2, before - 0.01]]}
-    row = _row("heads", [records[0], jumped], False)
+    row = row_of("heads", [records[0], jumped], False)
     assert row.rose_above_start == [(1, 1)]
     monkeypatch.setattr(console, "width", 250)
     with console.capture() as captured:

@@ -22,37 +22,11 @@ from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
 from .settings import check, data_fingerprints, default_eval_every, options_for
+from .table import ROSE, Row, row_of
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
 DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
-# A seed whose held-out loss rises more than this share above its start is marked: a rate at the edge of
-# divergence (the KJV's heads at ×10 jumped 22%), not the noise of a held-out loss that barely moves.
-ROSE = 0.01
-
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
-
-
-@dataclass
-class Row:
-    """One arm in the table: means over its seeds."""
-
-    arm: str
-    trainable_params: int
-    seeds: int
-    loss_before: float
-    loss_after: float
-    delta: float
-    delta_se: float | None  # None for one seed
-    lr_multiplier: float  # of the LoRA rate where the heads' rate comes from another arm's sweep
-    lr: float
-    lora_r: int | None
-    seconds_per_step: float
-    peak_memory_bytes: int | None
-    lr_at_edge: bool  # the best rate is at an end of the sweep, even after extending it: it may be too narrow
-    heads_lr_multiplier: float | None = None  # where the heads train at another arm's best rate
-    lora_lr: float | None = None
-    # (seed, first such step) for each seed whose held-out loss rose over ROSE above its loss before training.
-    rose_above_start: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -360,7 +334,7 @@ class _Bench:
             record["path"] = str(self.folder(record["arm"], record["seed"]).resolve())
         for record in self.state["sweep"]:
             record["path"] = str(self.sweep_folder(*_point(record)).resolve())
-        rows = [_row(name, [r for r in records if r["arm"] == name], self.edges[name]) for name in names]
+        rows = [row_of(name, [r for r in records if r["arm"] == name], self.edges[name]) for name in names]
         self.state["table"] = [asdict(row) for row in rows]
         self.state["arms"] = {name: asdict(ARMS[name]) | {"lora_r": self.budgets.rank(name)} for name in needed(names)}
         self.state["lora_targets"] = self.budgets.targets
@@ -410,43 +384,4 @@ def _lrs(name: str, options) -> dict:
     }
 
 
-def _row(name: str, records: list[dict], at_edge: bool) -> Row:
-    def mean(key: str) -> float:
-        return sum(r[key] for r in records) / len(records)
-
-    k = len(records)
-    deltas = [r["delta"] for r in records]
-    se = None
-    if k > 1:
-        m = sum(deltas) / k
-        se = math.sqrt(sum((d - m) ** 2 for d in deltas) / (k - 1)) / math.sqrt(k)
-    peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"] is not None]
-    first = records[0]
-    multiplier = first["lr_multiplier"]
-    return Row(
-        arm=name,
-        trainable_params=first["trainable_params"],
-        seeds=k,
-        loss_before=mean("loss_before"),
-        loss_after=mean("loss_after"),
-        delta=mean("delta"),
-        delta_se=se,
-        lr_multiplier=multiplier,
-        lr=first["lr"],
-        lora_r=first["lora_r"],
-        seconds_per_step=mean("seconds_per_step"),
-        peak_memory_bytes=max(peaks) if peaks else None,
-        lr_at_edge=at_edge,
-        heads_lr_multiplier=first.get("heads_lr_multiplier"),
-        lora_lr=first["lora_lr"],
-        rose_above_start=[(r["seed"], step) for r in records if (step := _rose(r)) is not None],
-    )
-
-
-def _rose(record: dict) -> int | None:
-    """The first step at which a run's held-out loss was over ROSE above its loss before training, if any."""
-    limit = record["loss_before"] * (1 + ROSE)
-    return next((step for step, loss in record["curve"] if step > 0 and loss > limit), None)
-
-
-__all__ = ["ARMS", "BenchResult", "Row", "run_bench"]
+__all__ = ["ARMS", "ROSE", "BenchResult", "Row", "run_bench"]

@@ -180,7 +180,7 @@ def _print_table(result) -> None:
     from rich import box
     from rich.table import Table
 
-    from ..bench import ROSE
+    from ..bench.table import ROSE
 
     settings = result.settings
     memory = result.memory or "peak memory"
@@ -219,7 +219,7 @@ def _print_table(result) -> None:
         if row.rose_above_start:
             seeds = ", ".join(f"seed {seed} at step {step}" for seed, step in row.rose_above_start)
             console.print(
-                f"note: the held-out loss of {row.arm} rose over {ROSE:.0%} above where it started ({seeds}): its rate may sit at "
-                f"the edge of divergence; see {escape(str(result.plot_path))} before trusting the row"
+                f"note: the held-out loss of {row.arm} rose over {ROSE:.0%} above where it started ({seeds}): its "
+                f"rate may sit at the edge of divergence; see {escape(str(result.plot_path))} before trusting the row"
             )
     console.print(f"wrote [bold]{escape(str(result.json_path))}[/] and [bold]{escape(str(result.plot_path))}[/]")
