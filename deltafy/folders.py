@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,10 +109,32 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
+def file_mode() -> int:
+    """The mode a new file gets here: 0o666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def readable(folder: Path) -> None:
+    """Give the safetensors files deltafy wrote under ``folder`` the mode of every other new file.
+
+    safetensors 0.8 writes through a temporary file created 0600 and renamed into place, so weights
+    came out readable by their owner alone (safetensors/safetensors#782): a folder shared with
+    another user or a container could not be loaded. A hard-linked source shard (more than one
+    link) is the user's own file and keeps its mode."""
+    mode = file_mode()
+    for path in folder.rglob("*.safetensors"):
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_mode & 0o777 == 0o600:
+            path.chmod(mode)
+
+
 @contextmanager
 def _replacing(tmp: Path, out: Path, merge: bool):
     try:
         yield tmp
+        readable(tmp)
         if merge and out.is_dir():
             _move_into(tmp, out)
             return

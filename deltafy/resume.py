@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import DeltafyError
+from .folders import readable
 from .modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
 
 STAGING_DIR = ".saving"  # inside STATE_DIR: checkpoints are written here, then renamed into place
@@ -266,6 +267,7 @@ def save_trainable(model, state: dict[str, torch.Tensor], folder: Path) -> None:
         model.save_pretrained(str(folder), state_dict={k: v for k, v in state.items() if _is_adapter(k)})
     heads = {k: v for k, v in state.items() if not _is_adapter(k)}
     save_file(heads, str(folder / HEADS_FILE), metadata={"format": "pt"})
+    readable(folder)
 
 
 def load_trainable(model, unwrapped, folder: Path, sharded: bool = False) -> None:

@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import DeltafyError
+from .folders import readable
 from .modeling_deltafy import delta_sites, mean_betas
 from .recipe import TrainingDefaults, format_validation
 
@@ -163,6 +164,7 @@ def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
         return model.merge_and_unload()
     if adapter_dir is not None:
         model.save_pretrained(adapter_dir)
+        readable(adapter_dir)
     return model.unload()
 
 

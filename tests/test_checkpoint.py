@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 import deltafy
 from deltafy.checkpoint import MODELING_FILE
+from deltafy.folders import file_mode
 from deltafy.modeling_deltafy import DeltaRead, delta_sites
 from deltafy.pipeline import convert_source
 
@@ -484,6 +485,13 @@ class FailingTokenizer:
 @pytest.fixture(scope="module")
 def small_converted():
     return deltafy.convert(tiny_model("llama-untied"))
+
+
+def test_every_file_saved_has_the_mode_of_a_new_file(tmp_path, small_converted):
+    # safetensors alone writes its files 0600: a folder shared with another user could not be loaded.
+    out = deltafy.save(small_converted, tmp_path / "out", max_shard_size="100KB")
+    assert len(list(out.glob("*.safetensors"))) > 1
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: file_mode() for p in out.iterdir()}
 
 
 def test_interrupted_save_leaves_nothing(tmp_path, small_converted):

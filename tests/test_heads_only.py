@@ -22,6 +22,7 @@ from test_cli import assert_one_line_error
 
 import deltafy
 from deltafy.checkpoint import HEADS_FILE
+from deltafy.folders import file_mode
 from deltafy.modeling_deltafy import delta_sites
 
 CASES = [
@@ -104,6 +105,7 @@ def test_heads_only_folder_holds_only_the_heads_and_pins_its_base(pairs, case):
         stored = set(fh.keys())
     expected = {k for k in model.state_dict() if ".delta." in k}
     assert stored == expected and stored
+    assert (heads / HEADS_FILE).stat().st_mode & 0o777 == file_mode()  # not safetensors' own 0600
     assert (heads / "modeling_deltafy.py").is_file() and (heads / "recipe.yaml").is_file()
     base = json.loads((heads / "config.json").read_text())["deltafy"]["base"]
     assert base["path"] == f"../{entry['stock'].name}"  # relative: no place on this machine is written down

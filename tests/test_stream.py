@@ -18,6 +18,7 @@ from test_checkpoint import fixed_ids
 from test_cli import assert_one_line_error, cli
 
 import deltafy
+from deltafy.folders import file_mode
 from deltafy.pipeline import convert_source
 from deltafy.shards import INDEX_FILE, read_header, write_file
 
@@ -113,11 +114,15 @@ def test_sharded_source_and_a_learned_direction(tmp_path):
     source = tmp_path / "sharded"
     tiny_model("llama-untied").save_pretrained(source, max_shard_size="60KB")
     assert len(list(source.glob("model-*.safetensors"))) >= 3
+    for shard in source.glob("model-*.safetensors"):
+        shard.chmod(0o640)  # the user's own mode, which a linked shard shares and deltafy leaves alone
     streamed, in_memory = both_ways(source, tmp_path, recipe="ddl-learned")  # random heads, same seed
     assert_same_model(streamed, in_memory)
-    linked = sorted(streamed.glob("model-*.safetensors"))[:-1]
+    *linked, heads = sorted(streamed.glob("model-*.safetensors"))
     sources = {os.stat(p).st_ino for p in source.glob("model-*.safetensors")}
     assert {os.stat(p).st_ino for p in linked} == sources
+    assert {p.stat().st_mode & 0o777 for p in linked} == {0o640}
+    assert heads.stat().st_mode & 0o777 == file_mode() == (streamed / "config.json").stat().st_mode & 0o777
 
 
 def test_gpt2_files_without_the_base_prefix(tmp_path):

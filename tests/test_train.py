@@ -31,6 +31,7 @@ import deltafy
 from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
+from deltafy.folders import file_mode
 from deltafy.recipe import load_recipe
 from deltafy.train import TrainOptions, options_from, planned_steps
 
@@ -272,6 +273,11 @@ def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # it trained
     heads = sum(v.numel() for k, v in before.items() if is_head(k))
     assert result.trainable_params == heads + sum(v.numel() for v in lora.values())
+    # Every weights file has the mode of the run's other new files (safetensors alone writes 0600).
+    weights = sorted(out.rglob("*.safetensors"))
+    assert {p.relative_to(out).parts[0] for p in weights} == {"model.safetensors", "lora-adapter", "training"}
+    config = (out / "config.json").stat().st_mode & 0o777
+    assert {p.stat().st_mode & 0o777 for p in weights} == {file_mode()} == {config}
 
     # base + adapter is the trained model: its held-out loss is the one the run reported.
     model = PeftModel.from_pretrained(deltafy.load(out), str(adapter)).eval()
