@@ -206,11 +206,11 @@ class _Bench:
         for seed in range(seeds):
             what = f"{name} · seed {seed + 1} of {seeds} ({rate})"
             found = self._find("records", name, seed=seed, lr_multiplier=best, heads_lr_multiplier=heads)
-            if found is None or not (self.folder(name, seed) / "config.json").is_file():
-                self.report(self.done, self.total, what)
+            kept = found is not None and (self.folder(name, seed) / "config.json").is_file()
+            what += ": kept from before" if kept else ""  # a resumed bench says what it did not train again
+            self.report(self.done, self.total, what)
+            if not kept:
                 self._seed(name, best, heads, seed)
-            else:
-                what += ": kept from before"  # a resumed bench says what it did not train again
             self.done += 1
             self.report(self.done, self.total, what)
 
