@@ -67,7 +67,7 @@ def bench_command(
       learned      a learned low-rank direction (ddl-learned)
       expanded     the expanded state (ddl-expanded)
       lora         LoRA alone, its rank matched to the heads' parameter count
-      ddl+lora     the heads, at the heads arm's best rate, plus LoRA of the lora arm's rank
+      ddl+lora     the heads plus LoRA of the lora arm's rank, each at a swept rate of its own
       lora-2x      LoRA matched to ddl+lora's parameter count
       lora-large   LoRA matched to the learned direction's parameter count
 
