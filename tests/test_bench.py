@@ -324,7 +324,7 @@ def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, m
         _print_table(replace(result, rows=[row]))
     text = captured.get()
     assert f"{row.delta:+.4f} ± {row.delta_se:.4f}!" in text
-    assert "note: the held-out loss of heads rose over 1% above where it started (seed 1 at step 1)" in text
+    assert "note: the held-out loss of heads rose over 1% above where it started (seed-1 at step 1)" in text
 
 
 def test_the_expanded_arm_trains_from_its_own_recipe(tiny, tmp_path):

@@ -22,10 +22,11 @@ from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
 from .settings import check, data_fingerprints, default_eval_every, options_for
-from .table import ROSE, Row, row_of
+from .table import Row, row_of
 
 DEFAULT_LRS = (0.3, 1.0, 3.0)
 DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
+
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 
 
@@ -384,4 +385,4 @@ def _lrs(name: str, options) -> dict:
     }
 
 
-__all__ = ["ARMS", "ROSE", "BenchResult", "Row", "run_bench"]
+__all__ = ["ARMS", "BenchResult", "Row", "run_bench"]

@@ -217,7 +217,7 @@ def _print_table(result) -> None:
         )
     for row in result.rows:
         if row.rose_above_start:
-            seeds = ", ".join(f"seed {seed} at step {step}" for seed, step in row.rose_above_start)
+            seeds = ", ".join(f"seed-{seed} at step {step}" for seed, step in row.rose_above_start)  # its folder
             console.print(
                 f"note: the held-out loss of {row.arm} rose over {ROSE:.0%} above where it started ({seeds}): its "
                 f"rate may sit at the edge of divergence; see {escape(str(result.plot_path))} before trusting the row"
