@@ -1,9 +1,11 @@
 """Publishing a checkpoint folder on the Hugging Face Hub, through huggingface_hub as its own CLI does.
 
-What goes up is decided here, before any request (so ``dry_run`` shows exactly that): the folder
-must be a complete deltafy checkpoint, a running job's lock never goes, and the training state
+What goes up is decided here, before any request, and ``dry_run`` runs every check a push runs and
+shows exactly the files that go: the folder must be a complete deltafy checkpoint, only its own files
+go (a link pointing outside it is refused), a running job's lock never goes, and the training state
 (resumable Trainer checkpoints with optimizer moments, several times the model's size) only on
-request. ``metrics.jsonl`` does go: a few KB of loss numbers behind the card's figures.
+request. ``metrics.jsonl`` does go: a few KB of loss numbers behind the card's figures. No file may
+hold a Hub token, the user's own or any other.
 
 The token is huggingface_hub's to find (``token=``, ``HF_TOKEN``, the cached login); deltafy only
 passes it on, and scrubs it from any error text it shows.
@@ -12,6 +14,8 @@ passes it on, and scrubs it from any error text it shows.
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +27,10 @@ from .modeling_deltafy import HEADS_FILE  # the weights of a heads-only (delta) 
 
 LOCK_PATTERNS = [".deltafy-lock", "*/.deltafy-lock", "*.lock"]
 TRAINING_PATTERNS = ["training", "training/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]
-_SCANNED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # binary: not searched for the token
+_BINARY_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")  # not searched for tokens (a .safetensors' header is)
+# huggingface_hub's access tokens: "hf_" and 34 letters and digits; 30 or more catches a clipped one too.
+_TOKEN_SHAPE = re.compile(rb"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")
+_PR_REVISION = re.compile(r"refs/pr/\d+")  # a pull request's ref, as huggingface_hub's SPECIAL_REFS_REVISION_REGEX
 
 
 @dataclass
@@ -61,9 +68,10 @@ def push(
 ) -> PushResult:
     """Upload the deltafy checkpoint ``folder`` to the Hub model repo ``repo`` (created if missing).
 
-    ``revision`` names a branch, created from ``main`` when new. ``dry_run`` checks the folder and
-    returns what would be uploaded without a single request. ``before_upload`` is called with that
-    plan once the folder, the Hub's reachability and the token are checked, before the first request.
+    ``revision`` names a branch, created from ``main`` when new, or a pull request (``refs/pr/N``).
+    ``dry_run`` runs the same checks and returns what would be uploaded without a single request.
+    ``before_upload`` is called with that plan once the folder, the Hub's reachability and the token
+    are checked, before the first request.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -74,8 +82,10 @@ def push(
     folder = Path(folder).expanduser()
     config, heads_only = check_checkpoint(folder)
     front_matter = _front_matter(folder)
+    check_revision(revision)
     ignore = LOCK_PATTERNS + ([] if include_training else TRAINING_PATTERNS)
     files, ignored = upload_plan(folder, ignore)
+    _refuse_tokens_in_files(folder, files, token or _local_token())
     result = PushResult(
         repo=repo,
         files=files,
@@ -89,7 +99,7 @@ def push(
     )
     if dry_run:
         return result
-    _upload(folder, result, ignore, token, before_upload)
+    _upload(folder, result, token, before_upload)
     return result
 
 
@@ -181,14 +191,88 @@ def _front_matter(folder: Path) -> dict:
 
 
 def upload_plan(folder: Path, ignore: list[str]) -> tuple[list[tuple[str, int]], list[str]]:
-    """The files upload_folder would send (same listing and filter as huggingface_hub's), and those left out."""
+    """The files that go up (path in the repo, size in bytes), and the folder's entries left out.
+
+    Only the folder's own files go: a link to a file inside it goes as that file, a link that points
+    outside (to a file, a folder, or nowhere) is refused, and a linked folder is left out, not
+    followed (as upload_folder's walk does; following could not end on a link loop). The filter is
+    huggingface_hub's, with its own default patterns (.git and its cache).
+    """
     from huggingface_hub.utils import filter_repo_objects
     from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
-    every = {p.relative_to(folder).as_posix(): p for p in sorted(folder.glob("**/*")) if p.is_file()}
-    kept = set(filter_repo_objects(every, ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS))
-    files = [(rel, every[rel].stat().st_size) for rel in every if rel in kept]
-    return files, [rel for rel in every if rel not in kept]
+    root = os.path.realpath(folder)
+    patterns = ignore + DEFAULT_IGNORE_PATTERNS
+    files, left_out = [], []
+    for rel, entry in sorted(_entries(folder), key=lambda item: item[0].split("/")):
+        if not any(filter_repo_objects([rel], ignore_patterns=patterns)):
+            left_out.append(rel)
+            continue
+        target = os.path.realpath(entry.path)
+        if entry.is_symlink() and not _inside(target, root):
+            raise DeltafyError(
+                f"the link {rel} in {folder} points outside it, to {target}: only the folder's own files go "
+                f"up; replace the link with a copy of what it points to, or remove it"
+            )
+        if os.path.isfile(target):  # a regular file, or a link to one inside
+            files.append((rel, os.stat(target).st_size))
+        else:  # a linked folder, a broken link, a pipe or socket: upload_folder leaves them out too
+            left_out.append(rel)
+    return files, left_out
+
+
+def _entries(folder: Path, prefix: str = ""):
+    """(path in the folder, entry) for everything below ``folder`` but its real subfolders, which are walked."""
+    try:
+        with os.scandir(folder) as it:
+            entries = list(it)
+    except OSError as err:
+        raise DeltafyError(f"could not list {folder} ({err.strerror}); fix its permissions and push again") from err
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _entries(Path(entry.path), f"{prefix}{entry.name}/")
+        else:
+            yield prefix + entry.name, entry
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+# -- the revision ----------------------------------------------------------------------------------
+
+
+def check_revision(revision: str | None) -> None:
+    """Refuse a ``revision`` the Hub could not take as a branch name, before any request."""
+    problems = [] if revision is None or _PR_REVISION.fullmatch(revision) else branch_name_problems(revision)
+    if problems:
+        raise DeltafyError(
+            f"--revision {revision!r} is not a valid branch name: {', '.join(problems)}; name a branch such as "
+            f"ddl-heads (letters, digits, - _ . /), or a pull request as refs/pr/<N>"
+        )
+
+
+def branch_name_problems(name: str) -> list[str]:
+    """What makes ``name`` no branch name by git's rules (``git check-ref-format --branch``)."""
+    parts = name.split("/")
+    bad = sorted({c for c in name if c in "~^:?*[\\"})
+    rules = [
+        (name == "", "it is empty"),
+        (name in ("@", "HEAD"), f"{name!r} names no branch in git"),
+        (any(ord(c) < 32 or ord(c) == 127 for c in name), "it holds a control character"),
+        (" " in name, "it holds a space"),
+        (bool(bad), f"it holds {' '.join(bad)}"),
+        (".." in name, "it holds .."),
+        ("@{" in name, "it holds @{"),
+        (name.startswith("-"), "it starts with -"),
+        (name.startswith("/") or name.endswith("/"), "it starts or ends with /"),
+        ("//" in name, "it holds //"),
+        (any(part.startswith(".") for part in parts), "a part of it starts with ."),
+        (any(part.endswith(".lock") for part in parts), "a part of it ends with .lock"),
+        (name.endswith("."), "it ends with ."),
+        (name.startswith("refs/pr/"), "refs/pr/ takes a pull request number"),
+    ]
+    return [why for broken, why in rules if broken]
 
 
 def _base_name(config: dict, front_matter: dict) -> str:
@@ -218,7 +302,7 @@ def default_commit_message(config: dict, front_matter: dict, heads_only: bool) -
 # -- the upload ------------------------------------------------------------------------------------
 
 
-def _upload(folder: Path, result: PushResult, ignore: list[str], token: str | None, before_upload) -> None:
+def _upload(folder: Path, result: PushResult, token: str | None, before_upload) -> None:
     import httpx2
     from huggingface_hub import HfApi, constants, get_token
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
@@ -228,7 +312,6 @@ def _upload(folder: Path, result: PushResult, ignore: list[str], token: str | No
     secret = token or get_token()
     if not secret:
         raise DeltafyError(_NOT_LOGGED_IN)
-    _refuse_token_in_files(folder, result.files, secret)
     if before_upload is not None:
         before_upload(result)
     api = HfApi(token=token)  # None: huggingface_hub finds the same token again itself
@@ -236,15 +319,16 @@ def _upload(folder: Path, result: PushResult, ignore: list[str], token: str | No
     try:
         repo_url = api.create_repo(result.repo, repo_type="model", exist_ok=True, private=result.private or None)
         repo_id = repo_url.repo_id
-        if result.revision and result.revision != constants.DEFAULT_REVISION:
+        if _new_branch(result.revision):
             api.create_branch(repo_id, branch=result.revision, repo_type="model", exist_ok=True)
+        # upload_folder walks the folder itself; allowing exactly the planned paths makes it send the plan.
         commit = api.upload_folder(
             folder_path=folder,
             repo_id=repo_id,
             repo_type="model",
             revision=result.revision,
             commit_message=result.commit_message,
-            ignore_patterns=list(ignore),
+            allow_patterns=[_literal(rel) for rel, _ in result.files],
         )
     except OfflineModeIsEnabled as err:  # set after the check above
         raise DeltafyError(_OFFLINE) from err
@@ -304,11 +388,77 @@ def _scrub(text: str, secret: str) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-def _refuse_token_in_files(folder: Path, files: list[tuple[str, int]], secret: str) -> None:
-    """A token written into a card, config or metrics file must never be published."""
-    needle = secret.encode()
-    for rel, size in files:
-        if rel.endswith(_SCANNED_SUFFIXES) or size > 16 * 2**20:
+def _new_branch(revision: str | None) -> bool:
+    """Whether ``revision`` names a branch to create if missing (a pull request's ref already exists)."""
+    from huggingface_hub import constants
+
+    return bool(revision) and revision != constants.DEFAULT_REVISION and not _PR_REVISION.fullmatch(revision)
+
+
+def _literal(path: str) -> str:
+    """An fnmatch pattern matching exactly ``path``: its wildcard characters in brackets."""
+    return re.sub(r"([*?\[])", r"[\1]", path)
+
+
+def _local_token() -> str | None:
+    """The token huggingface_hub would use, read without a request.
+
+    get_token() may exchange an OIDC token or refresh an OAuth one over the network; those are minted
+    on the spot, so no file can hold them.
+    """
+    try:
+        from huggingface_hub.utils._auth import _get_token_from_environment, _get_token_from_file
+    except ImportError:  # (private helpers: a huggingface_hub without them gets the public call)
+        from huggingface_hub import get_token
+
+        return get_token()
+    return _get_token_from_environment() or _get_token_from_file()
+
+
+def _refuse_tokens_in_files(folder: Path, files: list[tuple[str, int]], secret: str | None) -> None:
+    """A token written into a card, config, metrics file or weights' metadata must never be published."""
+    for rel, _ in files:
+        if rel.endswith(_BINARY_SUFFIXES):
             continue
-        if needle in (folder / rel).read_bytes():
-            raise DeltafyError(f"{folder / rel} contains your Hub token; remove it from the file before pushing")
+        header = rel.endswith(".safetensors")
+        found = _token_in(_safetensors_header(folder / rel) if header else _chunks(folder / rel), secret)
+        where = " in its safetensors header (__metadata__)" if header else ""
+        if found == "yours":
+            raise DeltafyError(f"{folder / rel} contains your Hub token{where}; remove it from the file before pushing")
+        if found:
+            raise DeltafyError(
+                f"{folder / rel} contains a Hub access token (hf_ and 30 or more letters and digits){where}; "
+                f"remove it from the file before pushing"
+            )
+
+
+def _token_in(chunks, secret: str | None) -> str | None:
+    """Which token the chunks hold: ``"yours"`` (``secret``), ``"token"`` (one shaped like any), or None."""
+    needle = secret.encode() if secret else None
+    tail = b""
+    for chunk in chunks:
+        text = tail + chunk
+        if needle and needle in text:
+            return "yours"
+        if _TOKEN_SHAPE.search(text):
+            return "token"
+        tail = text[-max(64, len(needle or b"")) :]  # a token cut between two chunks
+    return None
+
+
+def _chunks(path: Path, size: int = 2**20):
+    with open(path, "rb") as fh:
+        while chunk := fh.read(size):
+            yield chunk
+
+
+def _safetensors_header(path: Path) -> list[bytes]:
+    """The header's text (tensor names and ``__metadata__``), its JSON escapes decoded."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        raw = fh.read(min(length, 100 * 2**20))  # safetensors' own limit on a header
+    try:
+        return [json.dumps(json.loads(raw), ensure_ascii=False).encode()]
+    except ValueError:
+        return [raw]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +26,7 @@ from test_cli import assert_one_line_error, cli
 
 import deltafy
 from deltafy.cli import main
+from deltafy.hub import push
 
 TOKEN = "hf_deltafyTestToken0123456789abcdefXYZ"  # HF_TOKEN's
 CLI_TOKEN = "hf_givenOnTheCommandLine9876543210zyx"  # --token's
@@ -307,3 +310,193 @@ def test_cli_offline_push_is_one_line(folder):
     proc = cli("push", folder, "--repo", REPO, cwd=folder.parent, env={"HF_TOKEN": TOKEN})
     assert_one_line_error(proc, "HF_HUB_OFFLINE", "--dry-run")
     assert TOKEN not in proc.stdout + proc.stderr
+
+
+# -- only the folder's own files go up, and the plan is exactly what is sent ------------------------
+
+
+OTHERS_TOKEN = "hf_" + "SomebodyElses0123456789abcdefghij"  # shaped like a Hub token, not the user's
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """A private file beside the checkpoint, which a link in the folder might point to."""
+    path = tmp_path / "id_ed25519"
+    path.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    return path
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "push"])
+@pytest.mark.parametrize("kind", ["file", "folder", "relative", "chained", "broken"])
+def test_a_link_pointing_outside_is_refused_before_any_request(hub, folder, secret, capsys, dry_run, kind):
+    target, resolved = {
+        "file": (secret, secret),
+        "folder": (secret.parent, secret.parent),  # the folder's own parent: a loop, too, if it were followed
+        "relative": (Path("../..") / secret.name, secret),
+        "chained": (folder / "zz-link", secret),  # inside, but that link points on outside
+        "broken": (secret.parent / "nothing-here", secret.parent / "nothing-here"),
+    }[kind]
+    if kind == "chained":
+        (folder / "zz-link").symlink_to(secret)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "key").symlink_to(target)
+    proc = run(capsys, "push", folder, "--repo", REPO, *(["--dry-run"] if dry_run else []))
+    assert_one_line_error(proc, f"the link sub/key in {folder} points outside it, to {os.path.realpath(resolved)}:")
+    assert hub.requests == []
+
+
+def test_a_link_outside_in_a_left_out_path_stays_behind(hub, folder, tmp_path, capsys):
+    """Training state on a scratch disk, linked in: left out without --include-training, refused with it."""
+    scratch = tmp_path / "scratch"
+    shutil.copytree(folder / "training", scratch)
+    shutil.rmtree(folder / "training")
+    (folder / "training").symlink_to(scratch)
+    proc = run(capsys, "push", folder, "--repo", REPO)
+    assert proc.returncode == 0, proc.stderr
+    _, files = hub.commit()
+    assert set(files) == MODEL_FILES
+    proc = run(capsys, "push", folder, "--repo", REPO, "--include-training")
+    assert_one_line_error(proc, "the link training in", str(scratch))
+
+
+def test_links_inside_go_as_listed_and_a_loop_ends(hub, folder, capsys):
+    """A link to a file inside goes as that file; linked folders (a loop among them) are left out, not followed."""
+    (folder / "notes [v1]*.md").write_text("my notes\n")  # fnmatch's wildcards in a name: matched literally
+    (folder / "alias.md").symlink_to("notes [v1]*.md")
+    (folder / "loop").symlink_to(".")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "up").symlink_to("..")
+    (folder / "training-link").symlink_to(folder / "training")
+    plan = push(folder, REPO, dry_run=True)
+    listed = {path for path, _ in plan.files}
+    assert listed == MODEL_FILES | {"notes [v1]*.md", "alias.md"}
+    assert {"loop", "sub/up", "training-link"} <= set(plan.ignored)
+    proc = run(capsys, "push", folder, "--repo", REPO)
+    assert proc.returncode == 0, proc.stderr
+    _, files = hub.commit()
+    assert set(files) == listed
+    assert files["alias.md"] == b"my notes\n"
+
+
+# -- a token is never published, and a dry run checks that too ---------------------------------------
+
+
+def _metadata_weights(path: Path, metadata: dict) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(path), metadata=metadata)
+
+
+def _escaped_metadata_weights(path: Path) -> None:
+    """A header written by hand, the token's first letter as a JSON escape: a byte search would miss it."""
+    value = "\\u0068" + TOKEN[1:]
+    header = f'{{"__metadata__": {{"note": "{value}"}}, "w": {{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}}}'
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda p: (p / "README.md").write_text(f"token: {TOKEN}\n"), "README.md contains your Hub token"),
+        (lambda p: (p / "metrics.jsonl").write_text(f"{OTHERS_TOKEN}\n"), "metrics.jsonl contains a Hub access token"),
+        (lambda p: _metadata_weights(p / "extra.safetensors", {"hub": TOKEN}), "extra.safetensors contains your"),
+        (lambda p: _metadata_weights(p / "model.safetensors", {"t": OTHERS_TOKEN}), "model.safetensors contains a Hub"),
+        (lambda p: _escaped_metadata_weights(p / "extra.safetensors"), "extra.safetensors contains your"),
+    ],
+    ids=["own-in-card", "other-in-metrics", "own-in-extra-metadata", "other-in-weights-metadata", "escaped-metadata"],
+)
+def test_dry_run_refuses_a_token_in_the_files(hub, folder, capsys, damage, needle):
+    damage(folder)
+    proc = run(capsys, "push", folder, "--repo", REPO, "--dry-run")
+    line = assert_one_line_error(proc, needle)
+    assert TOKEN not in line and OTHERS_TOKEN not in line
+    assert hub.requests == []
+
+
+def test_dry_run_without_a_login_still_finds_a_token(hub, folder, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    (folder / "recipe.yaml").write_text(f"# HF_TOKEN={TOKEN}\n")
+    assert_one_line_error(run(capsys, "push", folder, "--repo", REPO, "--dry-run"), "contains a Hub access token")
+
+
+def test_the_token_scan_reads_the_cached_login_without_a_request(hub, folder, capsys, monkeypatch, tmp_path):
+    """get_token() may exchange an OIDC token over the network: a dry run reads HF_TOKEN or the login file."""
+    monkeypatch.delenv("HF_TOKEN")
+    (tmp_path / "token").write_text("my-old-style-secret-token\n")  # not shaped like hf_…: found as the user's
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    monkeypatch.setenv("HF_OIDC_RESOURCE", REPO)  # get_token() would raise: no OIDC id token here
+    assert run(capsys, "push", folder, "--repo", REPO, "--dry-run").returncode == 0
+    (folder / "metrics.jsonl").write_text('{"token": "my-old-style-secret-token"}\n')
+    assert_one_line_error(run(capsys, "push", folder, "--repo", REPO, "--dry-run"), "contains your Hub token")
+    assert hub.requests == []
+
+
+def test_a_token_cut_between_two_reads_is_found():
+    from deltafy.hub import _token_in
+
+    head, tail = TOKEN[:10].encode(), TOKEN[10:].encode()
+    assert _token_in([b"x" * 100 + head, tail + b"y"], TOKEN) == "yours"
+    assert _token_in([b"x " + head, tail], None) == "token"
+    assert _token_in([b"hf_short", b"and not a token " * 10], None) is None
+    assert _token_in([b"xhf_" + b"a" * 40], None) is None  # inside a longer word: not a token's start
+
+
+# -- the revision ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("a b", "space"),
+        ("..x", ".."),
+        ("-x", "starts with -"),
+        ("x.lock", ".lock"),
+        ("a/.hidden", "starts with ."),
+        ("x.", "ends with ."),
+        ("a//b", "//"),
+        ("/a", "starts or ends with /"),
+        ("a/", "starts or ends with /"),
+        ("a@{1}", "@{"),
+        ("@", "names no branch"),
+        ("HEAD", "names no branch"),
+        ("a~1", "~"),
+        ("a^", "^"),
+        ("a:b", ":"),
+        ("a?", "?"),
+        ("a*", "*"),
+        ("a[1]", "["),
+        ("a\\b", "\\"),
+        ("a\tb", "control character"),
+        ("a\x7fb", "control character"),
+        ("", "empty"),
+        ("refs/pr/x", "pull request number"),
+    ],
+)
+def test_a_bad_branch_name_is_named(name, why):
+    from deltafy.hub import branch_name_problems
+
+    assert any(why in problem for problem in branch_name_problems(name)), branch_name_problems(name)
+
+
+@pytest.mark.parametrize("name", ["main", "ddl-heads", "feature/x.y", "v1.0", "ü-branch", "a@b", "refs/pr/12"])
+def test_a_good_revision_passes(name):
+    from deltafy.hub import check_revision
+
+    check_revision(name)
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "push"])
+def test_a_bad_revision_is_one_line_before_any_request(hub, folder, capsys, dry_run):
+    proc = run(capsys, "push", folder, "--repo", REPO, "--revision", "a b\nc", *(["--dry-run"] if dry_run else []))
+    assert_one_line_error(proc, "--revision 'a b\\nc' is not a valid branch name: ", "space", "control character")
+    assert hub.requests == []
+
+
+def test_push_to_a_pull_request_creates_no_branch(hub, folder, capsys):
+    proc = run(capsys, "push", folder, "--repo", REPO, "--revision", "refs/pr/1")
+    assert proc.returncode == 0, proc.stderr
+    assert not any("/branch/" in p for p in hub.paths())
+    assert hub.paths()[-1] == f"/api/models/{REPO}/commit/refs/pr/1"
+    assert "(pull request refs/pr/1)" in proc.stdout

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..hub import PushResult, push
-from ._console import console
+from ._console import console, state
 from ._options import OFF
 
 
@@ -32,8 +32,16 @@ def _left_out(paths: list[str]) -> str:
     return ", ".join(name if not name.endswith("/") else f"{name} ({n} files)" for name, n in groups.items())
 
 
+def _on(revision: str | None) -> str:
+    """`` (branch ddl-heads)``, `` (pull request refs/pr/3)``, or nothing for main."""
+    if not revision:
+        return ""
+    kind = "pull request" if revision.startswith("refs/pr/") else "branch"  # push() let only refs/pr/<N> through
+    return f" ({kind} {escape(revision)})"
+
+
 def _print_plan(result: PushResult) -> None:
-    where = escape(result.repo) + (f" (branch {escape(result.revision)})" if result.revision else "")
+    where = escape(result.repo) + _on(result.revision)
     kind = "heads-only delta" if result.heads_only else "full checkpoint"
     console.print(f"[bold]{where}[/] · {'private' if result.private else 'public'} · {kind}")
     table = Table("file", "size", box=None)
@@ -58,7 +66,12 @@ def push_command(
         ),
     ] = False,
     revision: Annotated[
-        str | None, typer.Option("--revision", help="Branch to push to; created from main if new.", show_default="main")
+        str | None,
+        typer.Option(
+            "--revision",
+            help="Branch to push to, created from main if new; or refs/pr/N, an open pull request.",
+            show_default="main",
+        ),
     ] = None,
     message: Annotated[
         str | None,
@@ -72,7 +85,11 @@ def push_command(
     ] = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Show the files and the card front matter; contact nothing.", show_default=OFF),
+        typer.Option(
+            "--dry-run",
+            help="Run every check of a push, show the files and the card front matter; contact nothing.",
+            show_default=OFF,
+        ),
     ] = False,
     include_training: Annotated[
         bool,
@@ -92,6 +109,11 @@ def push_command(
       deltafy push ./smol-delta --repo me/smol-ddl --revision heads-only --message "heads only"
     """
     options = dict(private=private, revision=revision, message=message, token=token, include_training=include_training)
+    state.kept = (
+        "nothing was uploaded"
+        if dry_run
+        else f"the push may not have finished: a commit to {repo} is all or nothing, so run the same command again"
+    )
     if dry_run:
         _print_plan(push(folder, repo, dry_run=True, **options))
         console.print("[dim]dry run: nothing was uploaded[/]")
@@ -105,7 +127,7 @@ def push_command(
     result = push(folder, repo, before_upload=starting, **options)
     console.print(
         f"pushed {len(result.files)} files ({_size(result.total_bytes)}) to [bold]{escape(result.repo_url or repo)}[/]"
-        + (f" (branch {escape(result.revision)})" if result.revision else "")
+        + _on(result.revision)
         + (" · private" if result.private else "")
     )
     if result.commit_url:

@@ -1,0 +1,109 @@
+"""The ``deltafy`` app: one module per command, all of them thin layers over the library."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+from rich.markup import escape
+
+from ..errors import DeltafyError, first_line
+from ._console import console, err_console, state
+from .bench import bench_command
+from .cache import cache_app
+from .convert import convert_command
+from .eval import eval_command
+from .inspect import inspect_command
+from .push import push_command
+from .recipes import recipes_command
+from .train import train_command
+
+app = typer.Typer(
+    name="deltafy",
+    help="Turn a pretrained Hugging Face decoder into a Deep Delta Learning model, train it, ship it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+@app.callback()
+def _global(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+) -> None:
+    state.debug = debug
+
+
+try:  # recent typer vendors its own click: its usage errors are not the click package's classes
+    from typer._click.exceptions import ClickException as _TyperClickException
+except ImportError:  # older typer raises click's own
+    _TyperClickException = click.ClickException
+_CLICK_ERRORS = (click.ClickException, _TyperClickException)
+_EXITS = (click.exceptions.Exit, typer.Exit)
+_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, typer.Abort)
+
+app.command("convert", no_args_is_help=True)(convert_command)
+_MANY = {"allow_extra_args": True}  # extra paths after --data
+app.command("train", no_args_is_help=True, context_settings=_MANY)(train_command)
+app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
+app.command("inspect", no_args_is_help=True)(inspect_command)
+app.command("recipes")(recipes_command)
+app.command("push", no_args_is_help=True)(push_command)
+app.command("bench", no_args_is_help=True, context_settings=_MANY)(bench_command)
+app.add_typer(cache_app, name="cache")
+
+
+def run(args: list[str]) -> None:
+    """The command line ``args``, with every failure turned into one line on stderr and an exit code.
+
+    Exit codes: 1 for an error (``error: ...`` for a DeltafyError, which says what to do, or
+    ``internal error ...`` for a bug in deltafy), 2 for a usage error (click's), 130 / 143 when
+    interrupted by SIGINT / SIGTERM (deltafy.cli.main says so). With ``--debug`` errors propagate
+    instead: Python prints the whole traceback, including the exception a DeltafyError was raised from.
+    """
+    # deltafy shows its own progress; third-party tqdm bars would interleave with it.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        # standalone_mode=False: typer returns the code of a typer.Exit (and 130 for an interrupt it
+        # caught) instead of exiting; a code that is not 0 must still reach the shell.
+        code = app(args=args, prog_name="deltafy", standalone_mode=False)
+    except DeltafyError as err:
+        if state.debug:
+            raise
+        # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except _EXITS as err:
+        sys.exit(err.exit_code)
+    except _CLICK_ERRORS as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except _ABORTS:
+        raise KeyboardInterrupt from None  # deltafy.cli.main reports it
+    except Exception as err:
+        # Every failure deltafy expects (bad input, missing files, offline Hub, unsupported model)
+        # is a DeltafyError above. Anything else is a bug in deltafy: say so rather than pass it off
+        # as the user's mistake, and ask for the report that lets us fix it.
+        if state.debug:
+            raise
+        err_console.print(
+            f"[bold red]internal error[/] (a bug in deltafy): {escape(first_line(err, with_type=True))}; please "
+            f"report it on the deltafy issue tracker with the command you ran and the output of rerunning it "
+            f"with --debug",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
+    if code == 130:  # typer turned a KeyboardInterrupt into this code
+        raise KeyboardInterrupt
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+__all__ = ["app", "run", "console"]

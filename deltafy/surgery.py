@@ -1,0 +1,136 @@
+"""In-memory surgery: attach Deep Delta Learning heads to a loaded transformers model, and take them off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .architectures import layout_for, site_specs
+from .errors import DeltafyError
+from .modeling_deltafy import (
+    DELTAFY_FORMAT_VERSION,
+    DeltaSite,
+    DeltaSpec,
+    apply_deltafy,
+    delta_parameters,
+    delta_sites,
+    delta_tensors,
+    remove_deltafy,
+)
+from .recipe import Recipe, load_recipe
+
+
+def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
+    """The ``deltafy`` config section that fully describes the surgery for ``config``'s model:
+    the DeltaSpec (what the modeling file reads) plus what a reader of the checkpoint wants to know."""
+    layout = layout_for(config)
+    spec = DeltaSpec(
+        layers=layout.layers,
+        hidden_size=int(config.hidden_size),
+        sites=site_specs(config, tuple(recipe.sites)),
+        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps", "gate", "channels")},
+    )
+    return {
+        "format_version": DELTAFY_FORMAT_VERSION,
+        "base_model_type": config.model_type,
+        "base_architecture": architecture or (config.architectures or [None])[0],
+        "layout": layout.description,
+        "parallel": layout.parallel,
+        **spec.to_dict(),
+        "recipe": recipe.model_dump(mode="json"),
+    }
+
+
+def is_converted(model: nn.Module) -> bool:
+    return any(True for _ in delta_sites(model))
+
+
+def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
+    """Turn every residual write of ``model`` into a DDL write, in place, and return it.
+
+    The model's outputs are unchanged up to the gate's initial beta (about 3e-8); the new heads
+    are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a YAML
+    path (default: the paper's scalar recipe). :func:`unconvert` undoes it.
+    """
+    if is_converted(model):
+        raise DeltafyError("this model is already a deltafy model; convert the original instead")
+    recipe = load_recipe(recipe)
+    config = model.config
+    spec = build_spec(config, recipe, architecture=type(model).__name__)
+    try:
+        apply_deltafy(model, spec)
+    except ValueError as err:
+        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    config.deltafy = spec
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Remove the DDL heads and restore the original forwards, in place: the original model again,
+    bitwise (whatever the heads learned is dropped). A wrapper installed on a site module after
+    conversion (accelerate's hooks, say) stays in place and keeps working."""
+    try:
+        remove_deltafy(model)
+    except ValueError as err:
+        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    model.config.__dict__.pop("deltafy", None)
+    return model
+
+
+@dataclass
+class SiteSummary:
+    layers: int
+    sites_per_layer: int
+    params_added: int
+    params_base: int
+    channels: int = 1
+    hidden_size: int = 0
+
+    @property
+    def extra_stream_values(self) -> int:
+        """Values per token the expanded stream holds beyond the original's one stream (activation
+        memory, per layer boundary and per saved activation in training; the KV cache is unchanged)."""
+        return (self.channels - 1) * self.hidden_size
+
+
+def summarize(model: nn.Module) -> SiteSummary:
+    sites = list(delta_sites(model))
+    added = sum(t.numel() for t in delta_tensors(model).values())
+    total = sum(p.numel() for p in model.parameters())
+    spec = model.config.deltafy
+    return SiteSummary(
+        layers=len(sites) // max(len(spec["sites"]), 1),
+        sites_per_layer=len(spec["sites"]),
+        params_added=added,
+        params_base=total - added,
+        channels=int(spec.get("channels", 1)),
+        hidden_size=int(spec["hidden_size"]),
+    )
+
+
+def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> list[dict]:
+    """AdamW parameter groups for the DDL heads: gates at ``lr * gate_lr_scale``, the rest at ``lr``.
+
+    Adam moves each parameter by about its learning rate per step whatever the gradient's size,
+    so the gate logit (initialized at -18) needs a larger step to open in a few dozen steps.
+    """
+    if recipe is None:
+        recipe = Recipe.model_validate(model.config.deltafy["recipe"])
+    t = recipe.training
+    gates = []
+    for _, site in delta_sites(model):
+        # alpha (gate: strength) moves with the gate: both set how strongly the correction acts
+        gates += [*site.gate.parameters(), *([site.strength] if site.strength is not None else [])]
+    gate_ids = {id(p) for p in gates}
+    # every other head deltafy added, in the layers' order: targets, directions, an expanded stream's reads
+    others = [p for p in delta_parameters(model) if id(p) not in gate_ids]
+    return [
+        {"params": others, "lr": t.lr, "weight_decay": t.weight_decay, "name": "heads"},
+        # The gate's gradient is proportional to beta (~1e-8 at init), below AdamW's default eps of
+        # 1e-8, which would silently shrink its steps a hundredfold; a tiny eps keeps them lr-sized.
+        {"params": gates, "lr": t.lr * t.gate_lr_scale, "weight_decay": 0.0, "eps": 1e-20, "name": "gate"},
+    ]
+
+
+__all__ = ["convert", "unconvert", "build_spec", "summarize", "head_parameter_groups", "is_converted", "DeltaSite"]
