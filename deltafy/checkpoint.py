@@ -103,7 +103,9 @@ def save(
     spec = {k: v for k, v in spec.items() if k != "base"}  # a full checkpoint needs no base
     if heads_only:
         spec["base"] = base_record(model, base, out, provenance)
-    with _atomic_dir(out, overwrite or into, merge=into) as tmp:
+    tensors_written = modeling_deltafy.delta_tensors(model).values() if heads_only else model.state_dict().values()
+    need = sum(t.numel() * t.element_size() for t in tensors_written)  # for the message of a full disk
+    with _atomic_dir(out, overwrite or into, merge=into, need=need) as tmp:
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
         # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
         # nothing maps back when the checkpoint is loaded as a deltafy class.
@@ -205,7 +207,9 @@ def base_record(model, base: str | Path | None, out: Path, provenance: dict) -> 
     if base is None and known is not None:
         if "id" in known:
             return {"id": known["id"], "revision": known["revision"]}
-        base = known["location"]
+        base = known.get("location")  # where it was loaded from (not the heads' own folder: _name_or_path)
+        if base is None:
+            raise DeltafyError("where this model's base model is is not known; pass base= (a folder or a .gguf file)")
     if base is None:
         base = getattr(model.config, "_name_or_path", "") or None
     if base is None:
@@ -252,7 +256,7 @@ def read_config(path: str | Path) -> dict:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise DeltafyError(f"could not read {file}: {err}") from err
-    if config.get("model_type") != "deltafy" or "deltafy" not in config:
+    if config.get("model_type") != "deltafy" or not isinstance(config.get("deltafy"), dict):
         raise DeltafyError(f"{path} is not a deltafy checkpoint; convert it first with `deltafy convert`")
     version = config["deltafy"].get("format_version")
     if version != modeling_deltafy.DELTAFY_FORMAT_VERSION:
@@ -260,7 +264,57 @@ def read_config(path: str | Path) -> dict:
             f"{path} uses deltafy checkpoint format {version}; this deltafy reads format "
             f"{modeling_deltafy.DELTAFY_FORMAT_VERSION}"
         )
+    # What the modeling file checks when it loads, checked here first: before a run reads its data,
+    # and before a heads-only checkpoint hashes its base.
+    try:
+        modeling_deltafy.DeltaSpec.from_dict(config["deltafy"])
+        if "base" in config["deltafy"]:
+            modeling_deltafy.check_base_record(config["deltafy"]["base"])
+    except ValueError as err:
+        raise DeltafyError(f"invalid {file}: {str(err).removeprefix('deltafy: ')}") from err
     return config
+
+
+# the names safetensors headers give dtypes (as many as torch has)
+_DTYPES = {
+    name: getattr(torch, dtype)
+    for name, dtype in {
+        **{"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool"},
+        **{"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"},
+        **{f"I{bits}": f"int{bits}" for bits in (8, 16, 32, 64)},
+        **{f"U{bits}": f"uint{bits}" for bits in (8, 16, 32, 64)},
+    }.items()
+    if hasattr(torch, dtype)
+}
+
+
+def _check_stored_heads(folder: Path, skeleton) -> None:
+    """The heads a full checkpoint's safetensors hold, checked against the model before it loads
+    (check_heads): transformers would refuse a wrong shape only after printing a table of it, and
+    would make floats of integers. Read from the files' headers: no tensor is loaded."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    files = files or ["model.safetensors"]
+    stored, holding = {}, set()
+    for name in files:
+        if not (folder / name).is_file():
+            return  # an older layout, or a shard gone: transformers' loading says which
+        with safe_open(str(folder / name), framework="pt") as fh:
+            for key in (k for k in fh.keys() if ".delta." in k):
+                part = fh.get_slice(key)
+                dtype = _DTYPES.get(part.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{key} in {name} holds {part.get_dtype()}, not floats")
+                stored[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+                holding.add(name)
+    source = holding.pop() if len(holding) == 1 else files[0] if len(files) == 1 else "the weight files"
+    heads = modeling_deltafy.delta_tensors(skeleton)
+    # Files may hold the tensors without the base model's prefix (GPT-2's "h.0..."): transformers adds it.
+    prefix = skeleton.base_model_prefix + "."
+    stored = {prefix + k if k not in heads and prefix + k in heads else k: v for k, v in stored.items()}
+    modeling_deltafy.check_heads(stored, heads, source)
 
 
 def load(
@@ -281,6 +335,8 @@ def load(
 
     config = read_config(path)
     spec = config["deltafy"]
+    if base is not None and "base" not in spec:
+        raise DeltafyError(f"--base (base=) applies to a heads-only checkpoint, and {path} is a full one")
     try:
         base_config_class = CONFIG_MAPPING[spec["base_model_type"]]
         base_model_class = getattr(transformers, spec["base_architecture"])
@@ -296,14 +352,19 @@ def load(
         kwargs["deltafy_base"] = str(base)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
-    if kwargs.get("device_map") in AUTO:  # offloaded heads could not train: keep them where the model runs
+    folder = Path(path).expanduser()
+    skeleton = None
+    if "base" not in spec or kwargs.get("device_map") in AUTO:
         from accelerate import init_empty_weights
 
         with init_empty_weights():
-            skeleton = model_class(config_class.from_pretrained(str(Path(path).expanduser())))
+            skeleton = model_class(config_class.from_pretrained(str(folder)))
+    if kwargs.get("device_map") in AUTO:  # offloaded heads could not train: keep them where the model runs
         sized = dtype if isinstance(dtype, torch.dtype) else skeleton.dtype
         kwargs["device_map"] = auto_device_map(skeleton, kwargs["device_map"], kwargs.get("max_memory"), sized)
     try:
+        if "base" not in spec:  # (a heads-only checkpoint's heads are checked as they load)
+            _check_stored_heads(folder, skeleton)
         model, info = model_class.from_pretrained(
             str(Path(path).expanduser()),
             config=config_class.from_pretrained(str(Path(path).expanduser())),

@@ -68,15 +68,18 @@ def check_sizes(seq_len: int, batch_size: int, max_blocks: int | None = None, co
         raise DeltafyError("; ".join(problems))
 
 
-def load_any(source: str, dtype: str = "auto", device: str | None = None):
-    """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id."""
+def load_any(source: str, dtype: str = "auto", device: str | None = None, base: str | None = None):
+    """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id;
+    ``base``: where a heads-only checkpoint's base model is, if it moved."""
     from .checkpoint import load, load_tokenizer
     from .sources import is_deltafy_folder, load_source
 
     if is_deltafy_folder(Path(source).expanduser()):  # deltafy's own classes: no code from the folder runs
-        model = load(source, dtype=None if dtype == "auto" else dtype)
+        model = load(source, dtype=None if dtype == "auto" else dtype, base=base)
         tokenizer = load_tokenizer(source)
     else:
+        if base is not None:
+            raise DeltafyError(f"--base applies to a heads-only deltafy checkpoint, and {source} is not a deltafy one")
         # Quiet: load_source warns of a missing tokenizer for conversion's sake; evaluation refuses instead.
         sources_log = logging.getLogger("deltafy.sources")
         level = sources_log.level

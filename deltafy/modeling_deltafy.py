@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
+import re
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -43,6 +45,24 @@ def _check_kinds(direction: str, gate: str) -> None:
             raise ValueError(f"deltafy: {field} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
+# A config is text anyone can edit: what it holds is checked as when deltafy wrote it (a NaN eps
+# would load and run, and every loss would be NaN).
+def _check_number(field: str, value, positive: bool = False) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and (value > 0 or not positive)):
+        raise ValueError(f"deltafy: {field} must be a finite number{' > 0' * positive}, got {value!r}")
+
+
+def _check_count(field: str, value, none_ok: bool = False) -> None:
+    if not ((value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
+        raise ValueError(f"deltafy: {field} must be a positive integer{' or null' * none_ok}, got {value!r}")
+
+
+def _check_text(field: str, value, empty_ok: bool = False) -> None:
+    if not (isinstance(value, str) and (value or empty_ok)):
+        raise ValueError(f"deltafy: {field} must be a{'' if empty_ok else ' non-empty'} string, got {value!r}")
+
+
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
 @dataclass(frozen=True)
 class SiteSpec:
@@ -54,6 +74,17 @@ class SiteSpec:
     context: str = "output"  # c is the stream module's output (pre-norm) or its "input" x
     scale: float = 1.0  # the layer adds scale * h (Granite's residual_multiplier)
     norm_after: str | None = None  # post-LN: the norm applied to x + h (read by the self-check)
+
+    def __post_init__(self):
+        _check_text("a site's name", self.name)
+        where = f"site {self.name!r}"
+        _check_text(f"{where}: write", self.write)
+        _check_text(f"{where}: stream", self.stream, empty_ok=True)
+        if self.context not in ("output", "input"):
+            raise ValueError(f"deltafy: {where}: context must be 'output' or 'input', got {self.context!r}")
+        _check_number(f"{where}: scale", self.scale, positive=True)
+        if self.norm_after is not None:
+            _check_text(f"{where}: norm_after", self.norm_after)
 
 
 @dataclass(frozen=True)
@@ -74,20 +105,44 @@ class DeltaSpec:
     channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
 
     def __post_init__(self):
+        _check_text("layers", self.layers)
+        _check_count("hidden_size", self.hidden_size)
         _check_kinds(self.direction, self.gate)
+        _check_count("rank", self.rank, none_ok=True)
         if self.rank is not None and self.direction != "learned":
             raise ValueError("deltafy: rank applies only to a learned direction")
-        if not (isinstance(self.channels, int) and self.channels >= 1):
-            raise ValueError(f"deltafy: channels must be a positive integer, got {self.channels!r}")
-        object.__setattr__(self, "sites", tuple(s if isinstance(s, SiteSpec) else SiteSpec(**s) for s in self.sites))
+        _check_number("gate_bias", self.gate_bias)
+        _check_number("eps", self.eps, positive=True)
+        _check_count("channels", self.channels)
+        if not isinstance(self.sites, (list, tuple)):
+            raise ValueError(f"deltafy: sites must be a list of sites, got {self.sites!r}")
+        object.__setattr__(self, "sites", tuple(_site(s) for s in self.sites))
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:
         """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
+        if not isinstance(section, dict):
+            raise ValueError(f"deltafy: the config's deltafy section must be an object, got {section!r}")
+        for f in fields(cls):
+            if f.default is MISSING and f.name not in section:
+                raise ValueError(f"deltafy: the config's deltafy section has no {f.name!r}")
         return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
 
     def to_dict(self) -> dict:
         return asdict(self) | {"sites": [{k: v for k, v in asdict(s).items() if v is not None} for s in self.sites]}
+
+
+def _site(site) -> SiteSpec:
+    if isinstance(site, SiteSpec):
+        return site
+    if not isinstance(site, dict):
+        raise ValueError(f"deltafy: every site must be an object, got {site!r}")
+    unknown = sorted(site.keys() - {f.name for f in fields(SiteSpec)})
+    missing = [f.name for f in fields(SiteSpec) if f.default is MISSING and f.name not in site]
+    if unknown or missing:
+        what = f"{unknown[0]!r} is unknown" if unknown else f"{missing[0]!r} is missing"
+        raise ValueError(f"deltafy: site {site.get('name')!r}: {what}")
+    return SiteSpec(**site)
 
 
 # -- the math ------------------------------------------------------------------------------------
@@ -439,11 +494,13 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     device = None if ref.is_meta else ref.device
     d_v = spec.channels
     calls: dict[int, _SiteCall] = {}
+    own: dict[int, tuple[nn.Module, list[_SiteCall]]] = {}  # each layer's calls (every call is inside a layer)
     reads = 0  # the expanded stream's reads so far: each starts its weights one place further round
 
-    def call(module: nn.Module) -> _SiteCall:
+    def call(module: nn.Module, layer: nn.Module) -> _SiteCall:
         if id(module) not in calls:
             calls[id(module)] = _SiteCall(module, d_v)
+            own.setdefault(id(layer), (layer, []))[1].append(calls[id(module)])
         return calls[id(module)]
 
     for layer, site, stream, write in plan:
@@ -467,19 +524,21 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
         layer.delta[site.name] = delta
-        call(stream).captures.append(delta)
-        call(write).writes.append(delta)
+        call(stream, layer).captures.append(delta)
+        call(write, layer).writes.append(delta)
         if read:
-            call(stream).read = delta.read
+            call(stream, layer).read = delta.read
     if d_v > 1:
         layers = _layers(model, spec.layers)
-        call(layers[0]).expand = True
+        call(layers[0], layers[0]).expand = True
         layers[-1].delta["final"] = DeltaRead(d_v, reads).to(device=device, dtype=ref.dtype)
-        call(layers[-1]).final = layers[-1].delta["final"]
+        call(layers[-1], layers[-1]).final = layers[-1].delta["final"]
     for site_call in calls.values():
         site_call.module.forward = site_call
         site_call.module.extra_repr = site_call.extra_repr
     model._deltafy_calls = list(calls.values())
+    for layer, layer_calls in own.values():  # so that deltafy.disabled finds them from a part of the model
+        layer._deltafy_calls = layer_calls
     return model
 
 
@@ -500,13 +559,23 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             del module.delta
+            module.__dict__.pop("_deltafy_calls", None)
     return model
 
 
 @contextlib.contextmanager
 def disabled(model: nn.Module):
-    """Run ``model`` with every DDL correction off (beta = 0 exactly), like peft's disable_adapter()."""
-    calls = getattr(model, "_deltafy_calls", None) or []
+    """Run ``model`` with every DDL correction off (beta = 0 exactly), like peft's disable_adapter().
+
+    ``model`` may also be a part of a converted model that holds whole decoder layers (the bare
+    decoder, one layer): the corrections of the sites inside it are off. A part of a layer is refused,
+    since a site's stream and write are two of the layer's modules."""
+    calls = list({id(c): c for module in model.modules() for c in module.__dict__.get("_deltafy_calls", ())}.values())
+    if not calls:
+        raise ValueError(
+            f"deltafy: this {type(model).__name__} holds no converted decoder layer; pass a converted model, "
+            f"its decoder or one of its layers"
+        )
     previous = [call.enabled for call in calls]
     for call in calls:
         call.enabled = False
@@ -574,10 +643,70 @@ def mean_betas(model: nn.Module, run) -> dict[str, float]:
 # folder or a .gguf file, the path relative to the checkpoint folder, the hashes of its weight files).
 HEADS_FILE = "deltafy_heads.safetensors"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
+PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
+_HEX = re.compile(r"[0-9a-f]+")
+_KEYS = ("missing_keys", "unexpected_keys")  # of from_pretrained's loading info
 
 
 class BaseModelError(OSError):
     """The base model of a heads-only checkpoint is missing or is not the one it was made from."""
+
+
+def _misfit(source: str, missing: list[str], unexpected: list[str]) -> None:
+    if missing or unexpected:
+        what = f"lacks the head {missing[0]}" if missing else f"holds {unexpected[0]}, which is not a head"
+        raise ValueError(
+            f"deltafy: {source} {what} of this model ({len(missing)} missing, {len(unexpected)} unexpected)"
+        )
+
+
+def check_heads(stored: dict, heads: dict, source: str) -> None:
+    """Refuse ``stored`` head tensors unless they fit the model's ``heads`` (both by name) exactly:
+    every head there and nothing else, each of its shape and floating point. Checked before anything
+    is copied: copy_ would broadcast a (1,) target over a row of 64 and make floats of integers. A
+    float of another precision is cast, as transformers casts every weight to the dtype asked for."""
+    _misfit(source, sorted(heads.keys() - stored.keys()), sorted(stored.keys() - heads.keys()))
+    for name in sorted(heads):
+        got, want = stored[name], heads[name]
+        if not got.dtype.is_floating_point:
+            raise ValueError(f"deltafy: {name} in {source} holds {got.dtype}, not floats")
+        if got.shape != want.shape:
+            raise ValueError(
+                f"deltafy: {name} in {source} has shape {tuple(got.shape)}, the model's is {tuple(want.shape)}"
+            )
+
+
+def check_base_record(record) -> dict:
+    """The config's record of a heads-only checkpoint's base, refused unless it is one of its two forms:
+    a Hub model pinned to a commit, or a local one with the SHA-256 of its weight files (without them
+    any folder at that path would do, another model's or one with tensors missing)."""
+    if not (isinstance(record, dict) and ("id" in record or "path" in record)):
+        raise ValueError(
+            'deltafy: deltafy.base must be {"id", "revision"} (a Hub model) or {"path", "sha256"} '
+            f"(a local one), got {record!r}"
+        )
+    if "id" in record:
+        _check_text("deltafy.base.id", record["id"])
+        if "revision" not in record:
+            raise ValueError(f"deltafy: deltafy.base names the Hub model {record['id']} but no revision to pin it to")
+        revision = record["revision"]
+        if not (isinstance(revision, str) and len(revision) == 40 and _HEX.fullmatch(revision)):
+            raise ValueError(f"deltafy: deltafy.base.revision must be a commit (40 hex digits), got {revision!r}")
+        return record
+    _check_text("deltafy.base.path", record["path"])
+    if "sha256" not in record:
+        raise ValueError(
+            f"deltafy: deltafy.base names the local model {record['path']} but no sha256 of its weight files, "
+            f"which prove it is the base the heads were trained on"
+        )
+    hashes = record["sha256"]
+    good = isinstance(hashes, dict) and hashes and all(isinstance(k, str) and k for k in hashes)
+    if not (good and all(isinstance(v, str) and len(v) == 64 and _HEX.fullmatch(v) for v in hashes.values())):
+        raise ValueError(
+            f"deltafy: deltafy.base.sha256 must map each weight file's name to its SHA-256 (64 hex digits), "
+            f"got {hashes!r}"
+        )
+    return record
 
 
 def base_weight_files(location: Path) -> list[Path]:
@@ -630,11 +759,13 @@ def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | 
         location = folder / location
     if not location.exists() and override is None and record.get("package"):
         location = _packaged_file(record["package"], Path(record["path"]).name) or location
-    want = record.get("sha256", {})
+    want = record.get("sha256", {})  # (a local copy of a Hub base has none: _from_base checks what it loads)
+    if not location.exists() and override is not None:
+        raise BaseModelError(f"deltafy: the base model given for this heads-only checkpoint is not there: {location}")
     if not location.exists():
         raise BaseModelError(
             f"deltafy: the base model of this heads-only checkpoint was not found at {location} (expected "
-            f"{', '.join(want) or record.get('id')}); pass its location as deltafy_base=PATH"
+            f"{', '.join(want) or record.get('id')}); pass its location with {PASS_BASE}"
         )
     if want:
         got = sha256_files(base_weight_files(location))
@@ -653,7 +784,7 @@ def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | 
 
 
 def _load_heads(model: nn.Module, path: str, hub: dict) -> None:
-    """Copy the heads file's tensors into the model's heads: every head present, nothing else."""
+    """Copy the heads file's tensors into the model's heads, once every one of them fits (check_heads)."""
     from safetensors.torch import load_file
     from transformers.utils import cached_file
 
@@ -662,11 +793,7 @@ def _load_heads(model: nn.Module, path: str, hub: dict) -> None:
     if getattr(model, "base_model", None) is model:  # the bare model: names lose the causal LM's prefix
         stored = {k.removeprefix(prefix): v for k, v in stored.items()}
     heads = {name: tensor for name, tensor in model.state_dict().items() if ".delta." in name}
-    if stored.keys() != heads.keys():
-        odd = sorted(stored.keys() ^ heads.keys())
-        raise BaseModelError(
-            f"deltafy: {HEADS_FILE} does not fit this model: {len(odd)} tensors missing or unexpected (e.g. {odd[0]})"
-        )
+    check_heads(stored, heads, HEADS_FILE)
     with torch.no_grad():
         for name, tensor in heads.items():
             tensor.copy_(stored[name])
@@ -677,28 +804,34 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     all), the surgery, then the heads. Returns what ``from_pretrained`` would."""
     from transformers import GenerationConfig
 
-    record = config.deltafy["base"]
+    DeltaSpec.from_dict(config.deltafy)  # a spec that cannot be applied is refused before the base is read
+    record = check_base_record(config.deltafy["base"])
     folder = Path(path) if Path(path).is_dir() else None
     hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     # the checkpoint's, not the base's (AutoModel passes the checkpoint's revision on as adapter_kwargs)
     own = {k: kwargs.pop(k) for k in ("revision", "subfolder", "adapter_kwargs") if k in kwargs}
     local, location, pin = _base_location(record, folder, kwargs.pop("deltafy_base", None))
+    with_info = kwargs.pop("output_loading_info", False)
     if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
         kwargs.pop("torch_dtype", None)
         kwargs["dtype"] = config.dtype or "auto"  # the dtype the full checkpoint would load in
     kwargs.pop("trust_remote_code", None)
     config.model_type = config.deltafy["base_model_type"]  # so transformers applies the family's key renames
     try:
-        loaded = stock_class.from_pretrained(location, config=config, **pin, **kwargs)
+        model, info = stock_class.from_pretrained(location, config=config, output_loading_info=True, **pin, **kwargs)
     except (OSError, ValueError) as err:
-        pinned = f" at revision {pin['revision']}" if pin.get("revision") else ""
-        raise BaseModelError(
-            f"deltafy: could not load the base model {record.get('id') or location}{pinned} that this heads-only "
-            f"checkpoint needs ({_short_error(err)})"
-        ) from err
+        raise _unloadable(record, location, pin, hub, err) from err
     finally:
         config.__dict__.pop("model_type", None)
-    model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
+    # No base may leave a tensor missing (transformers would make one up); a local copy of a Hub base,
+    # which has no hashes to prove what it is, may not leave one over either (it would be dropped).
+    unverified = "id" in record and local is not None
+    odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if unverified else ())})
+    if odd:
+        raise BaseModelError(
+            f"deltafy: {location} is not the base model this checkpoint was made from: {len(odd)} tensors "
+            f"missing or left over (e.g. {odd[0]})"
+        )
     model.config.__dict__.pop("model_type", None)
     if pin.get("revision"):  # the Hub may answer for a pinned commit with another: see where the files landed
         from transformers.utils.hub import cached_file, extract_commit_hash
@@ -721,7 +854,27 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
             model.generation_config = GenerationConfig.from_pretrained(str(path), **hub, **own)
         except OSError:
             pass  # none in the checkpoint: keep the base's
-    return (model, info) if info is not None else model
+    return (model, info) if with_info else model
+
+
+def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseException) -> BaseModelError:
+    """Why the base could not be loaded, in one line."""
+    from transformers.utils.hub import is_offline_mode, try_to_load_from_cache
+
+    revision = pin.get("revision")
+    pinned = f" at revision {revision}" if revision else ""
+    offline = "local_files_only=True" if hub.get("local_files_only") else "HF_HUB_OFFLINE is set"
+    if revision and (hub.get("local_files_only") or is_offline_mode()):
+        cached = try_to_load_from_cache(location, "config.json", cache_dir=hub.get("cache_dir"), revision=revision)
+        if not isinstance(cached, str):  # (None, or a marker that the file is known not to exist)
+            return BaseModelError(
+                f"deltafy: the base model {location}{pinned} is not in the local Hugging Face cache and the Hub is "
+                f"offline ({offline}): go online once to download it, or pass its local folder with {PASS_BASE}"
+            )
+    return BaseModelError(
+        f"deltafy: could not load the base model {record.get('id') or location}{pinned} that this heads-only "
+        f"checkpoint needs ({_short_error(err)})"
+    )
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_class: type) -> tuple[type, type, type]:
@@ -747,7 +900,15 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
                 config = DeltafyConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
             if "base" not in config.deltafy:  # a full checkpoint: the base family's own loading
                 load = stock_class.from_pretrained.__func__
-                return load(cls, pretrained_model_name_or_path, *args, config=config, **kwargs)
+                with_info = kwargs.pop("output_loading_info", False)
+                model, info = load(
+                    cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
+                )
+                # transformers would leave a missing head uninitialized (the heads are marked initialized:
+                # their init is deltafy's) and drop one the spec does not make: both refused, by name
+                missing, unexpected = ([k for k in sorted(info[kind]) if ".delta." in k] for kind in _KEYS)
+                _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
+                return (model, info) if with_info else model
             return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
 
         body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}

@@ -367,8 +367,9 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     assert len(generated.strip().splitlines()) <= 5, "the generated tail is a few lines of binding"
     # The checkpoint carries one Python file, importing torch, transformers (and safetensors and
     # hashlib, to read and check a heads-only checkpoint's files; importlib.metadata, to find a
-    # bundled base in its package) and the standard library's plain modules: no native code, no
-    # compiler, no subprocess, no ctypes, nothing written to disk.
+    # bundled base in its package; math and re, to check the config's numbers and hashes) and the
+    # standard library's plain modules: no native code, no compiler, no subprocess, no ctypes,
+    # nothing written to disk.
     assert sorted(p.name for p in out.glob("*.py")) == [MODELING_FILE]
     imported = set()
     for node in ast.walk(ast.parse(text)):
@@ -378,7 +379,7 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
             assert not node.level, "a relative import would need a second file"
             imported.add(node.module.split(".")[0])
     allowed = {"torch", "transformers", "safetensors", "__future__", "contextlib", "threading", "dataclasses"}
-    assert imported <= allowed | {"hashlib", "pathlib", "importlib"}, imported
+    assert imported <= allowed | {"hashlib", "pathlib", "importlib", "math", "re"}, imported
     for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "os", "CDLL", "cpp_extension", "save_file"):
         assert not re.search(rf"\b{word}\b", text), f"the checkpoint's code uses {word}"
     opened = re.findall(r"\bopen\(([^)]*)\)", text)
@@ -537,27 +538,36 @@ def test_other_os_error_during_save_is_a_clear_error(tmp_path, small_converted):
 
 def test_failed_overwrite_keeps_the_old_folder(tmp_path, small_converted):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(deltafy.DeltafyError):
+    deltafy.save(small_converted, out)
+    (out / "keep.txt").write_text("mine")  # the user's own file, beside a previous output
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(deltafy.DeltafyError, match="ran out of disk space"):
         deltafy.save(
             small_converted,
             out,
             overwrite=True,
             tokenizer=FailingTokenizer(OSError(errno.ENOSPC, "No space left on device")),
         )
-    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     no_partial_left(tmp_path)
     # Without --overwrite an occupied folder is refused before anything is written.
     with pytest.raises(deltafy.DeltafyError, match="already holds files"):
         deltafy.save(small_converted, out)
-    assert sorted(os.listdir(out)) == ["keep.txt"]
-    # A successful overwrite replaces exactly that folder.
+    # A successful overwrite replaces deltafy's files there, and keeps the user's.
     (tmp_path / "sibling.txt").write_text("untouched")
+    (out / "README.md").write_text("an old card")
     deltafy.save(small_converted, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert (out / "keep.txt").read_text() == "mine" and (out / "config.json").is_file()
+    assert (out / "README.md").read_text() != "an old card"
     assert (tmp_path / "sibling.txt").read_text() == "untouched"
     no_partial_left(tmp_path)
+    # A folder deltafy did not write is no output to replace.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(deltafy.DeltafyError, match="replaces only a folder deltafy wrote"):
+        deltafy.save(small_converted, mine, overwrite=True)
+    assert sorted(os.listdir(mine)) == ["notes.txt"]
 
 
 class _StrayTerm(Exception):
@@ -605,6 +615,22 @@ def test_load_refuses_stock_folder_and_other_format_version(tmp_path, small_conv
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(deltafy.DeltafyError, match="format 999"):
         deltafy.load(out)
+
+
+def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path, small_converted):
+    out = deltafy.save(small_converted, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    config["deltafy"]["eps"] = float("nan")  # json writes NaN, and reads it back: it once loaded and gave loss nan
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(deltafy.DeltafyError) as err:
+        deltafy.load(out)
+    assert str(err.value) == f"invalid {out / 'config.json'}: eps must be a finite number > 0, got nan"
+    config["deltafy"]["eps"], config["deltafy"]["sites"][1]["scale"] = 1e-6, float("inf")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(deltafy.DeltafyError, match="site 'mlp': scale must be a finite number > 0, got inf"):
+        deltafy.load(out)
+    result = run_child([{"key": "inf-scale", "path": str(out), "ids": [[1, 2]], "new_tokens": 1}], tmp_path)
+    assert "ValueError: deltafy: site 'mlp': scale must be a finite number > 0, got inf" in result["inf-scale"]["error"]
 
 
 @pytest.mark.parametrize("case", ["gpt2", "gemma2", "gpt_neox-parallel", "llama-untied"])

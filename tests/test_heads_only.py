@@ -239,3 +239,214 @@ def test_cli_convert_and_train_heads_only(tiny, tmp_path):
     assert base["path"] == f"../{tiny.stock.name}" if tiny.stock.parent == tmp_path else base["path"].endswith("stock")
     model = deltafy.load(run)
     assert {k: v for k, v in model.state_dict().items() if ".delta." in k}.keys() == trained.keys()
+
+
+# -- heads load exactly or not at all ---------------------------------------------------------------
+
+REFUSE_CHILD = (
+    DELTAFY_FREE_PREAMBLE
+    + r"""
+import json
+import torch
+from transformers import AutoModelForCausalLM
+
+jobs, result_file = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for job in jobs:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(job["path"], trust_remote_code=True, **job.get("kwargs", {}))
+        results[job["key"]] = {"loaded": True, "strength": model.model.layers[0].delta.attn.strength.detach().clone()}
+    except Exception as err:
+        results[job["key"]] = {"loaded": False, "type": type(err).__name__, "message": str(err)}
+loaded = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "deltafy" and mod is not None)
+torch.save({"results": results, "deltafy_modules": loaded}, result_file)
+"""
+)
+
+HEAD = "model.layers.0.delta.attn."
+# name -> (how the stored heads change, the refusal's words; None: it loads, the float cast to the model's dtype)
+MISFITS = {
+    "target-of-one": (
+        lambda t: t.update({HEAD + "target.weight": torch.zeros(1)}),
+        f"{HEAD}target.weight in {{file}} has shape (1,), the model's is (1, 64)",
+    ),
+    "strength-0d": (lambda t: t.update({HEAD + "strength": torch.tensor(0.5)}), "has shape (), the model's is (1,)"),
+    "int-strength": (
+        lambda t: t.update({HEAD + "strength": torch.ones(1, dtype=torch.int64)}),
+        f"{HEAD}strength in {{file}} holds torch.int64, not floats",
+    ),
+    "bool-gate": (lambda t: t.update({HEAD + "gate.bias": torch.ones(1, dtype=torch.bool)}), "holds torch.bool"),
+    "missing": (lambda t: t.pop(HEAD + "strength"), f"{{file}} lacks the head {HEAD}strength of this model"),
+    "unexpected": (
+        lambda t: t.update({HEAD + "extra": torch.ones(1)}),
+        f"{{file}} holds {HEAD}extra, which is not a head of this model (0 missing, 1 unexpected)",
+    ),
+    "bf16-strength": (lambda t: t.update({HEAD + "strength": torch.full((1,), 0.75, dtype=torch.bfloat16)}), None),
+}
+
+
+def _edit_tensors(file: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(str(file))
+    edit(stored)
+    save_file(stored, str(file), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def misfits(tmp_path_factory):
+    """Heads-only and full checkpoints of one model, each with one head changed by hand, loaded by
+    deltafy here and by plain transformers in one deltafy-free child."""
+    root = tmp_path_factory.mktemp("misfits")
+    _, model = converted_from_folder(root, "llama-untied", "ddl-scalar")
+    heads = deltafy.save(model, root / "heads", heads_only=True)
+    full = deltafy.save(model, root / "full")
+    folders, jobs = {}, []
+    for name, (edit, _) in MISFITS.items():
+        for kind, source, file in (("heads", heads, HEADS_FILE), ("full", full, "model.safetensors")):
+            folder = root / f"{kind}-{name}"
+            shutil.copytree(source, folder)
+            _edit_tensors(folder / file, edit)
+            folders[kind, name] = folder
+            jobs.append(dict(key=f"{kind}-{name}", path=str(folder)))
+    return folders, run_deltafy_free(REFUSE_CHILD, [json.dumps(jobs)], root)["results"]
+
+
+@pytest.mark.parametrize("name", sorted(MISFITS))
+def test_a_heads_file_that_does_not_fit_is_refused_by_name(misfits, name):
+    folders, plain = misfits
+    words = MISFITS[name][1]
+    if words is None:  # another float precision: cast, as transformers casts every weight to the dtype asked for
+        loaded = deltafy.load(folders["heads", name])
+        assert loaded.model.layers[0].delta.attn.strength.dtype == torch.float32
+        assert loaded.model.layers[0].delta.attn.strength.item() == 0.75
+        assert plain[f"heads-{name}"]["loaded"] and plain[f"heads-{name}"]["strength"].item() == 0.75
+        return
+    words = words.format(file=HEADS_FILE)
+    with pytest.raises(deltafy.DeltafyError) as err:
+        deltafy.load(folders["heads", name])
+    assert words in str(err.value) and "\n" not in str(err.value)
+    got = plain[f"heads-{name}"]
+    assert not got["loaded"] and got["type"] == "ValueError", got
+    assert got["message"] == "deltafy: " + str(err.value).split(": ", 1)[1]  # the same line, less "could not load"
+
+
+@pytest.mark.parametrize("name", sorted(MISFITS))
+def test_a_full_checkpoint_whose_heads_do_not_fit_is_refused_in_one_line(misfits, name):
+    folders, plain = misfits
+    words = MISFITS[name][1]
+    got = plain[f"full-{name}"]
+    if words is None:
+        assert deltafy.load(folders["full", name]).model.layers[0].delta.attn.strength.item() == 0.75
+        assert got["loaded"] and got["strength"].item() == 0.75
+        return
+    # deltafy.load reads the weight files' headers first: one line, before transformers prints its table
+    with pytest.raises(deltafy.DeltafyError) as err:
+        deltafy.load(folders["full", name])
+    assert words.format(file="model.safetensors") in str(err.value) and "\n" not in str(err.value)
+    # Plain transformers: a missing head would be left uninitialized and an unknown one dropped; the
+    # checkpoint's code refuses both. A wrong shape transformers refuses itself; an integer it casts.
+    if name in ("missing", "unexpected"):
+        assert not got["loaded"] and got["type"] == "ValueError", got
+        assert got["message"].startswith("deltafy: " + words.format(file=f"the checkpoint {folders['full', name]}"))
+    elif name in ("target-of-one", "strength-0d"):
+        assert not got["loaded"] and "ignore_mismatched_sizes" in got["message"], got
+    else:
+        assert got["loaded"], got
+
+
+# -- a heads-only base is verified or refused ---------------------------------------------------------
+
+GOOD_SHA = "0" * 64
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+FORMS = 'deltafy.base must be {"id", "revision"} (a Hub model) or {"path", "sha256"} (a local one), got'
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ("../stock", f"{FORMS} '../stock'"),
+        ({}, f"{FORMS} {{}}"),
+        ({"revision": COMMIT}, f"{FORMS} {{'revision'"),
+        ({"id": "someone/tiny"}, "deltafy.base names the Hub model someone/tiny but no revision"),
+        ({"id": "a/b", "revision": "main"}, "deltafy.base.revision must be a commit (40 hex digits), got 'main'"),
+        ({"id": 7, "revision": COMMIT}, "deltafy.base.id must be a non-empty string, got 7"),
+        ({"path": "../stock"}, "deltafy.base names the local model ../stock but no sha256 of its weight files"),
+        ({"path": ["a"], "sha256": {"model.safetensors": GOOD_SHA}}, "deltafy.base.path must be a non-empty string"),
+        ({"path": "../stock", "sha256": "abc"}, "deltafy.base.sha256 must map each weight file's name to its SHA-256"),
+        ({"path": "../stock", "sha256": {}}, "deltafy.base.sha256 must map"),
+        ({"path": "../stock", "sha256": {"model.safetensors": "abc"}}, "got {'model.safetensors': 'abc'}"),
+        ({"path": "../stock", "sha256": {"model.safetensors": 5}}, "deltafy.base.sha256 must map"),
+    ],
+)
+def test_a_mistyped_base_record_is_one_line_naming_the_field(record, words):
+    from deltafy.modeling_deltafy import check_base_record
+
+    with pytest.raises(ValueError) as err:
+        check_base_record(record)
+    assert str(err.value).startswith("deltafy: ") and words in str(err.value)
+    assert check_base_record({"path": "../x", "sha256": {"model.safetensors": GOOD_SHA}})
+    assert check_base_record({"id": "someone/tiny", "revision": COMMIT})
+
+
+def _edit_base(folder: Path, edit) -> None:
+    file = folder / "config.json"
+    config = json.loads(file.read_text())
+    edit(config["deltafy"])
+    file.write_text(json.dumps(config))
+
+
+def test_a_local_base_without_hashes_or_of_another_model_is_never_loaded(tmp_path):
+    stock, model = converted_from_folder(tmp_path, "llama-untied", "ddl-scalar")
+    heads = deltafy.save(model, tmp_path / "heads", heads_only=True)
+    unhashed = tmp_path / "unhashed"
+    shutil.copytree(heads, unhashed)
+    _edit_base(unhashed, lambda spec: spec["base"].pop("sha256"))
+    with pytest.raises(deltafy.DeltafyError, match="unhashed/config.json: deltafy.base names the local model"):
+        deltafy.load(unhashed)
+    # the path of another model: its hashes are not the ones recorded
+    tiny_model("llama-untied", seed=3).save_pretrained(tmp_path / "other")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(heads, elsewhere)
+    _edit_base(elsewhere, lambda spec: spec["base"].update(path="../other"))
+    with pytest.raises(deltafy.DeltafyError, match="other is not the base model .* model.safetensors is sha256"):
+        deltafy.load(elsewhere)
+    # the checkpoint's own code, without deltafy, refuses both
+    jobs = [dict(key=folder.name, path=str(folder)) for folder in (unhashed, elsewhere)]
+    plain = run_deltafy_free(REFUSE_CHILD, [json.dumps(jobs)], tmp_path)["results"]
+    assert plain["unhashed"]["type"] == "ValueError" and "no sha256 of its weight files" in plain["unhashed"]["message"]
+    assert plain["elsewhere"]["type"] == "BaseModelError" and "is not the base model" in plain["elsewhere"]["message"]
+
+
+def test_a_local_copy_of_a_hub_base_must_fill_the_model_exactly(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    stock, model = converted_from_folder(tmp_path, "llama-untied", "ddl-scalar")
+    model.config._commit_hash = COMMIT
+    heads = deltafy.save(model, tmp_path / "heads", heads_only=True, base="someone/tiny-llama")
+    ids = fixed_ids(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        # no hashes to check a copy by: it loads when its tensors are exactly the model's
+        assert torch.equal(deltafy.load(heads, base=stock)(input_ids=ids).logits, expected)
+    bigger = tiny_model("llama-untied").config
+    bigger.num_hidden_layers = 4
+    AutoModelForCausalLM.from_config(bigger).save_pretrained(tmp_path / "bigger")
+    with pytest.raises(deltafy.DeltafyError, match="bigger is not the base model .* left over .*layers.2") as err:
+        deltafy.load(heads, base=tmp_path / "bigger")
+    assert "\n" not in str(err.value)
+    smaller = tiny_model("llama-untied").config
+    smaller.num_hidden_layers = 1
+    AutoModelForCausalLM.from_config(smaller).save_pretrained(tmp_path / "smaller")
+    with pytest.raises(deltafy.DeltafyError, match="smaller is not the base model .* missing .*layers.1"):
+        deltafy.load(heads, base=tmp_path / "smaller")
+
+
+def test_base_given_for_a_full_checkpoint_is_refused(tmp_path):
+    stock, model = converted_from_folder(tmp_path, "gpt2", "ddl-scalar")
+    full = deltafy.save(model, tmp_path / "full")
+    with pytest.raises(deltafy.DeltafyError, match="applies to a heads-only checkpoint, and .*full is a full one"):
+        deltafy.load(full, base=stock)
+    heads = deltafy.save(model, tmp_path / "heads", heads_only=True)
+    with pytest.raises(deltafy.DeltafyError, match="the base model given for this heads-only checkpoint is not there"):
+        deltafy.load(heads, base=tmp_path / "nowhere")

@@ -271,3 +271,31 @@ def test_convert_streams_a_hub_model_from_the_cache(hub, made, tmp_path):
         deltafy.load(result.out).state_dict().items(), deltafy.load(local).state_dict().items(), strict=True
     ):
         assert a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+OFFLINE = "is not in the local Hugging Face cache and the Hub is offline"
+PASS_BASE = "or pass its local folder with --base PATH (deltafy_base=PATH in Python)"
+
+
+def test_an_uncached_base_while_offline_says_so_and_a_local_copy_loads(hub, made, monkeypatch):
+    hub.serve(BASE, made.stock, BASE_COMMIT)
+    go_offline(monkeypatch, True)
+    with pytest.raises(deltafy.DeltafyError) as err:
+        deltafy.load(made.heads)
+    assert_base_error(err, OFFLINE, "(HF_HUB_OFFLINE is set)", PASS_BASE)
+    with pytest.raises(OSError) as err:  # the folder's own code says the same
+        transformers.AutoModelForCausalLM.from_pretrained(made.heads, trust_remote_code=True)
+    assert_base_error(err, OFFLINE, "(HF_HUB_OFFLINE is set)", PASS_BASE)
+    assert hub.requests == []
+    # the base's folder given instead: no hashes to check it by, so its tensors must fill the model exactly
+    assert torch.equal(logits_of(deltafy.load(made.heads, base=made.stock), made.ids), made.logits)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        made.heads, trust_remote_code=True, deltafy_base=str(made.stock)
+    )
+    assert torch.equal(logits_of(plain, made.ids), made.logits)
+    # online, but told to use only what is cached
+    go_offline(monkeypatch, False)
+    with pytest.raises(deltafy.DeltafyError) as err:
+        deltafy.load(made.heads, local_files_only=True)
+    assert_base_error(err, OFFLINE, "(local_files_only=True)", PASS_BASE)
+    assert hub.requests == []

@@ -95,6 +95,35 @@ def test_disabled_runs_the_original_model_and_restores(llama):
     assert torch.equal(generated, stock.generate(ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0))
 
 
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-expanded"])
+def test_disabled_on_a_part_of_the_model_turns_off_the_sites_inside_it(recipe):
+    model = convert(tiny_model("llama-tied"), recipe)
+    open_gates(model)
+    ids = _ids(3)
+    with_heads = _logits(model, ids)
+    with deltafy.disabled(model):
+        original = _logits(model, ids)
+    with deltafy.disabled(model.model) as part:  # the bare decoder, inside the causal LM
+        assert part is model.model
+        assert torch.equal(_logits(model, ids), original)
+    assert torch.equal(_logits(model, ids), with_heads)
+    with deltafy.disabled(model.model.layers[1]):  # one layer: its sites off, the other layer's on
+        one_off = _logits(model, ids)
+    assert (one_off - original).abs().max() > 1e-2 and (one_off - with_heads).abs().max() > 1e-2
+    if recipe == "ddl-scalar":  # the same as that layer's gates shut (beta = 0 exactly)
+        with gates_at(model.model.layers[1].delta["attn"], 0.0), gates_at(model.model.layers[1].delta["mlp"], 0.0):
+            assert torch.equal(_logits(model, ids), one_off)
+    assert torch.equal(_logits(model, ids), with_heads)
+    # a part of a layer holds a site's write but not its stream (or the other way round): refused
+    for part in (model.model.layers[0].self_attn, model.model.layers[0].input_layernorm, tiny_model("llama-tied")):
+        with pytest.raises(ValueError, match="holds no converted decoder layer; pass a converted model"):
+            with deltafy.disabled(part):
+                pass
+    assert torch.equal(_logits(model, ids), with_heads)
+    deltafy.unconvert(model)
+    assert not [name for name, m in model.named_modules() if "_deltafy_calls" in m.__dict__]
+
+
 # -- other wrappers and peft ----------------------------------------------------------------------
 
 
@@ -406,3 +435,47 @@ def test_spec_and_site_refuse_an_unknown_direction_or_gate(field, value):
         DeltaSpec(layers="model.layers", hidden_size=8, sites=(), **{field: value})
     with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):
         DeltaSite(8, **{field: value})
+
+
+SITE = {"name": "attn", "write": "self_attn", "stream": "input_layernorm"}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(eps=float("nan")), "eps must be a finite number > 0, got nan"),
+        (dict(eps=float("inf")), "eps must be a finite number > 0, got inf"),
+        (dict(eps=0.0), "eps must be a finite number > 0, got 0.0"),
+        (dict(eps="1e-6"), "eps must be a finite number > 0, got '1e-6'"),
+        (dict(gate_bias=float("-inf")), "gate_bias must be a finite number, got -inf"),
+        (dict(channels=0), "channels must be a positive integer, got 0"),
+        (dict(channels=1.5), "channels must be a positive integer, got 1.5"),
+        (dict(channels=True), "channels must be a positive integer, got True"),
+        (dict(direction="learned", rank=-1), "rank must be a positive integer or null, got -1"),
+        (dict(direction="learned", rank=4.0), "rank must be a positive integer or null, got 4.0"),
+        (dict(hidden_size=0), "hidden_size must be a positive integer, got 0"),
+        (dict(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+        (dict(layers=""), "layers must be a non-empty string, got ''"),
+        (dict(sites="attn"), "sites must be a list of sites, got 'attn'"),
+        (dict(sites=["attn"]), "every site must be an object, got 'attn'"),
+        (dict(sites=[{"name": "attn"}]), "site 'attn': 'write' is missing"),
+        (dict(sites=[SITE | {"norm": "x"}]), "site 'attn': 'norm' is unknown"),
+        (dict(sites=[SITE | {"scale": float("nan")}]), "site 'attn': scale must be a finite number > 0, got nan"),
+        (dict(sites=[SITE | {"scale": float("inf")}]), "site 'attn': scale must be a finite number > 0, got inf"),
+        (dict(sites=[SITE | {"scale": -1}]), "site 'attn': scale must be a finite number > 0, got -1"),
+        (dict(sites=[SITE | {"name": 3}]), "a site's name must be a non-empty string, got 3"),
+        (dict(sites=[SITE | {"write": None}]), "site 'attn': write must be a non-empty string, got None"),
+        (dict(sites=[SITE | {"stream": 0}]), "site 'attn': stream must be a string, got 0"),
+        (dict(sites=[SITE | {"context": "both"}]), "site 'attn': context must be 'output' or 'input', got 'both'"),
+    ],
+)
+def test_spec_read_from_a_config_is_checked_as_when_it_was_written(change, words):
+    from deltafy.modeling_deltafy import DeltaSpec
+
+    section = {"layers": "model.layers", "hidden_size": 8, "sites": [SITE], "format_version": 1} | change
+    with pytest.raises(ValueError) as err:
+        DeltaSpec.from_dict(section)
+    assert str(err.value) == f"deltafy: {words}"
+    with pytest.raises(ValueError, match="the config's deltafy section has no 'hidden_size'"):
+        DeltaSpec.from_dict({"layers": "model.layers", "sites": []})
+    assert DeltaSpec.from_dict({"layers": "model.layers", "hidden_size": 8, "sites": [SITE], "eps": 1}).eps == 1

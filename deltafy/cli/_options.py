@@ -29,6 +29,15 @@ RecipeOpt = Annotated[
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Precision to load and save the model in.")]
+BaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--base",
+        metavar="PATH",
+        help="Where a heads-only checkpoint's base model is now, if it moved (checked against its hashes).",
+        show_default="where the checkpoint says",
+    ),
+]
 # A flag that is off unless given: typer shows no default for it, so it is named here (click shows it "(off)").
 OFF = "off"
 OverwriteOpt = Annotated[

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from ._console import console
-from ._options import OFF, DType, DTypeOpt
+from ._options import OFF, BaseOpt, DType, DTypeOpt
 
 
 def eval_command(
@@ -22,6 +22,7 @@ def eval_command(
     text_field: Annotated[str, typer.Option("--text-field", help="JSONL/dataset text field.")] = "text",
     dtype: DTypeOpt = DType.auto,
     device: Annotated[str | None, typer.Option(help="e.g. cuda", show_default="cpu")] = None,
+    base: BaseOpt = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
     ] = False,
@@ -41,7 +42,7 @@ def eval_command(
     data = list(data) + list(ctx.args)  # `--data dir/*.txt` expands to many paths
     expand(data)  # the same: a missing file is reported before the model is read
 
-    loaded, tokenizer = load_any(model, dtype.value, device)
+    loaded, tokenizer = load_any(model, dtype.value, device, base=base)
     if tokenizer is None:
         raise DeltafyError(f"{model} has no tokenizer; evaluation needs one to read text")
     result = evaluate_text(loaded, tokenizer, data, seq_len, batch_size, max_blocks, text_field)

@@ -14,7 +14,7 @@ from ..checkpoint import load, load_tokenizer
 from ..modeling_deltafy import mean_betas
 from ..verify import make_inputs
 from ._console import console
-from ._options import OFF
+from ._options import OFF, BaseOpt
 
 # Enough text for a stable mean without a long wait on CPU: at most 8 blocks of 256 tokens.
 MAX_BLOCKS, MAX_SEQ_LEN, BATCH = 8, 256, 4
@@ -75,6 +75,7 @@ def inspect_command(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
     ] = False,
+    base: BaseOpt = None,
 ) -> None:
     """Show a deltafy checkpoint: recipe, sites, and the mean gate β per layer on a few prompts or on --data.
 
@@ -97,13 +98,15 @@ def inspect_command(
             raise DeltafyError(f"{plot} is a folder; --plot takes a file name such as beta.png")
     if data:
         expand(data)
-    model = load(model_dir, dtype=torch.float32)
+    model = load(model_dir, dtype=torch.float32, base=base)
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     if data:
         betas, tokens = _mean_betas_on_text(model, tokenizer, list(data), text_field)
     else:
         betas, tokens = _mean_betas(model, tokenizer), None
+    # without a tokenizer the prompts cannot be read: make_inputs draws random token ids instead
+    measured_on = "built-in prompts" if tokenizer is not None else "random token ids"
     sites = [s["name"] for s in spec["sites"]]
     layers = len(model.get_submodule(spec["layers"]))
     per_layer = [
@@ -122,7 +125,7 @@ def inspect_command(
             "direction": spec["direction"],
             "channels": spec.get("channels", 1),
             "sites": sites,
-            "measured_on": {"data": list(data), "tokens": tokens} if data else "built-in prompts",
+            "measured_on": {"data": list(data), "tokens": tokens} if data else measured_on,
             "layers": [
                 {"layer": i, "beta": {site: _number(v) for site, v in row.items()}} for i, row in enumerate(per_layer)
             ],
@@ -140,6 +143,8 @@ def inspect_command(
     )
     if data:
         console.print(escape(f"mean β on {tokens:,} tokens of {', '.join(data)}"))
+    elif tokenizer is None:
+        console.print(f"mean β on {measured_on}: the checkpoint has no tokenizer to read the built-in prompts with")
     table = Table("layer", *[escape(f"β {s}") for s in sites], box=None)
     for i, row in enumerate(per_layer):
         table.add_row(str(i), *[f"{row[s]:.3g}" for s in sites])

@@ -9,7 +9,7 @@ from rich.markup import escape
 from ..recipe import TrainingDefaults, load_recipe
 from ..train import LaunchOptions
 from ._console import console, err_console, spinner_status
-from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
+from ._options import OFF, BaseOpt, OverwriteOpt, extra_text_paths, with_model_options
 
 
 # Every training setting is a flag generated from TrainingDefaults, the model that also validates
@@ -60,6 +60,7 @@ def train_command(
             show_default=OFF,
         ),
     ] = False,
+    base_model: BaseOpt = None,  # (not `base`: below that is the recipe's training defaults)
     # A launch option, not a training one: how a run is spread over processes is no part of a recipe.
     fsdp: Annotated[
         bool,
@@ -100,6 +101,7 @@ def train_command(
             resume=resume,
             overwrite=overwrite,
             heads_only=heads_only,
+            base=base_model,
             status=status,
             # through the console that draws the spinner, so the line lands above it; paths verbatim
             notice=lambda message: err_console.print(message, markup=False, highlight=False, soft_wrap=True),
