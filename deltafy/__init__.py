@@ -8,27 +8,39 @@ with deltafy.disabled(model): ...           # every correction off: the original
 deltafy.unconvert(model)                    # heads removed, original forwards restored
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .checkpoint import load, load_tokenizer, save
-from .convert import convert, head_parameter_groups, summarize, unconvert
-from .errors import DeltafyError
-from .modeling_deltafy import disabled
-from .recipe import Recipe, load_recipe
-from .verify import CheckReport
+# Imported on first use: the command line starts (and takes over Ctrl-C) before torch is loaded.
+_EXPORTS = {
+    "convert": ".surgery",
+    "unconvert": ".surgery",
+    "summarize": ".surgery",
+    "head_parameter_groups": ".surgery",
+    "disabled": ".modeling_deltafy",
+    "save": ".checkpoint",
+    "load": ".checkpoint",
+    "load_tokenizer": ".checkpoint",
+    "Recipe": ".recipe",
+    "load_recipe": ".recipe",
+    "DeltafyError": ".errors",
+    "CheckReport": ".verify",
+}
 
-__all__ = [
-    "convert",
-    "unconvert",
-    "disabled",
-    "save",
-    "load",
-    "load_tokenizer",
-    "summarize",
-    "head_parameter_groups",
-    "Recipe",
-    "load_recipe",
-    "DeltafyError",
-    "CheckReport",
-    "__version__",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deltafy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [*_EXPORTS, "__version__"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .cache import file_digest, folder_digest, load_tokens, store_tokens
-from .errors import DeltafyError
+from .errors import DeltafyError, first_line
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -135,7 +135,7 @@ def _load_dataset(source: str):
         else:
             data = datasets.load_dataset(source, split="train")
     except Exception as err:
-        raise DeltafyError(f"could not load dataset {source}: {str(err).splitlines()[0]}") from err
+        raise DeltafyError(f"could not load dataset {source}: {first_line(err)}") from err
     if isinstance(data, datasets.DatasetDict):
         data = data["train"] if "train" in data else next(iter(data.values()))
     return data

@@ -50,7 +50,7 @@ class _Blocks(torch.utils.data.Dataset):
 
 
 class NonFiniteLoss(DeltafyError):
-    pass
+    """The loss became NaN or inf: the learning rate (or the data) sent training off the rails."""
 
 
 def run_training(
@@ -65,14 +65,18 @@ def run_training(
     status=lambda message: None,
     notice=to_stderr,
     heads_only: bool = False,
+    base: str | Path | None = None,
 ) -> TrainResult:
     """Train ``model_dir`` into ``out``. ``status`` gets transient progress ("loading ..."),
     ``notice`` the lines the user should keep (what a resume changed or skipped). ``heads_only``
-    saves a delta checkpoint over ``model_dir``'s base (which must be one itself)."""
+    saves a delta checkpoint over ``model_dir``'s base (which must be one itself); ``base`` is where
+    a heads-only input's base is when it moved (checked against the hashes it recorded)."""
     from .checkpoint import read_config
 
     out = Path(out).expanduser()
-    guard_out(out, model_dir, resume, overwrite)  # before anything is loaded
+    reads, bases = _read_by(model_dir, data, eval_data, base)
+    # before anything is loaded; a heads-only output points at the base: it may not be written inside it
+    guard_out(out, model_dir, resume, overwrite, reads + ([] if heads_only else bases), bases if heads_only else [])
     config = read_config(model_dir)
     if heads_only:
         check_heads_only(config, options, model_dir)
@@ -96,7 +100,29 @@ def run_training(
             notice,
             stop,
             heads_only,
+            base,
         )
+
+
+def _read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=None) -> tuple[list, list]:
+    """What a run reads besides ``model_dir``, which its --out must not destroy: its local text, and
+    the local base a heads-only input loads (``base`` where it moved; where a heads-only output would
+    point too)."""
+    from .checkpoint import read_config
+
+    texts = [("the training data", Path(d)) for d in data] + [("the held-out data", Path(d)) for d in eval_data or ()]
+    reads = [(what, path) for what, path in texts if path.expanduser().exists()]
+    if base is not None:
+        return reads, [("the base model", Path(base).expanduser())]
+    try:
+        record = read_config(model_dir)["deltafy"].get("base")
+    except DeltafyError:
+        record = None  # not a checkpoint: read_config says so in its turn
+    path = record.get("path") if isinstance(record, dict) else None
+    if not isinstance(path, str) or "package" in record:  # (a Hub base, or a bundled alias's file)
+        return reads, []
+    base = Path(path).expanduser()
+    return reads, [("the base model", base if base.is_absolute() else Path(model_dir).expanduser() / base)]
 
 
 def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:
@@ -153,7 +179,20 @@ def _finished_result(out: Path, steps: int) -> TrainResult:
 
 
 def _train(
-    model_dir, config, data, out, options, eval_data, resume, overwrite, show_progress, status, notice, stop, heads_only
+    model_dir,
+    config,
+    data,
+    out,
+    options,
+    eval_data,
+    resume,
+    overwrite,
+    show_progress,
+    status,
+    notice,
+    stop,
+    heads_only,
+    base=None,
 ):
     from transformers import TrainingArguments, get_scheduler
 
@@ -206,7 +245,7 @@ def _train(
         write_record(state_dir, record)
 
     status(f"loading {model_dir}")
-    model = load(model_dir, dtype=torch.float32)
+    model = load(model_dir, dtype=torch.float32, base=base)  # base: a heads-only input's base, if it moved
     sharding = fsdp_arguments(model, options)  # before LoRA wraps it: it reads the decoder layers' class
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)
@@ -295,7 +334,7 @@ def _train(
     if bad is not None:
         last, _ = newest_complete(state_dir)
         kept = f"the last checkpoint from before is {last}" if last else "no checkpoint was saved before it"
-        raise DeltafyError(
+        raise NonFiniteLoss(
             f"the loss became NaN/inf at step {bad}; training stopped without saving a model ({kept}); start "
             f"again with a lower --lr or --gate-lr-scale in a new --out (or with --overwrite)"
         )
@@ -319,7 +358,7 @@ def _train(
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
         gathered = gather_trained(trainer.model)  # a collective: every rank takes part
-        trained = rebuild(model_dir, options, gathered) if main else None
+        trained = rebuild(model_dir, options, gathered, base) if main else None
     if main:
         status("held-out loss after training")
         # The model as trained (with its LoRA adapters, when it has any): what the run produced.

@@ -1,5 +1,6 @@
-"""Output folders written atomically: a temporary sibling renamed into place, leftovers of killed
-saves cleared by the next run, and the OS error behind a failed write."""
+"""Output folders: the guard on ``--out`` (never a folder the command reads, never the user's own
+files), written atomically (a temporary sibling renamed into place, leftovers of killed saves cleared
+by the next run), and the OS error behind a failed write."""
 
 from __future__ import annotations
 
@@ -9,15 +10,60 @@ import logging
 import os
 import re
 import shutil
-import signal
 import stat
+import tempfile
+from collections.abc import Iterable
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 
-from .errors import DeltafyError
+from . import interrupts
+from .errors import DeltafyError, first_line
 from .modeling_deltafy import HEADS_FILE
 
 log = logging.getLogger(__name__)
+
+# What deltafy writes into a checkpoint folder or a training run's --out: all that --overwrite may
+# replace there. Anything else in the folder (the user's notes, data) is kept where it is.
+OWN_FILES = (
+    "config.json",
+    "generation_config.json",
+    "modeling_deltafy*.py",  # (0.1 also wrote modeling_deltafy_inference.py and _native.py)
+    "recipe.yaml",
+    "README.md",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    HEADS_FILE,
+    # the tokenizer, as save_pretrained writes it
+    "tokenizer*.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.j*",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    # a training run's state and report
+    "training",
+    "metrics.jsonl",
+    "lora-adapter",
+    "loss.png",
+    "beta.png",
+    ".deltafy-lock",
+)
+
+
+def owned(name: str) -> bool:
+    return any(fnmatch(name, pattern) for pattern in OWN_FILES)
+
+
+def is_output(folder: Path) -> bool:
+    """Whether ``folder`` is something deltafy wrote: a checkpoint (its config.json says deltafy), or
+    a training run's --out (its run record), finished or not."""
+    from .sources import is_deltafy_folder
+
+    return is_deltafy_folder(folder) or (folder / "training" / "run.json").is_file()
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
@@ -25,10 +71,69 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     clear_leftovers(out)
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"{out} exists and is not a folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
-    if not out.parent.exists() and out.parent != out:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and any(p.name != ".deltafy-lock" for p in out.iterdir()):
+        if not overwrite:
+            raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
+        if not is_output(out):
+            raise DeltafyError(
+                f"--overwrite replaces only a folder deltafy wrote, and {out} is not one (no deltafy config.json or "
+                f"run record); choose an empty or new --out"
+            )
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an --out that cannot be written (a read-only disk, no permission) before any work: the
+    folder the output is renamed into place in, and an existing --out itself (a run writes into it)."""
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    for folder in (parent, out) if out.is_dir() else (parent,):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".deltafy-probe-", dir=folder))
+        except OSError as err:
+            raise DeltafyError(
+                f"cannot write --out {out}: {folder} is not writable ({err.strerror or err}); choose another --out"
+            ) from err
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _same(a: Path, b: Path) -> bool:
+    """One folder under two spellings: the same resolved path, or the same device and inode (a bind
+    mount, a second mount of one disk)."""
+    if a == b:
+        return True
+    try:
+        x, y = a.stat(), b.stat()
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it, under any spelling of either."""
+    return any(_same(p, folder) for p in (path, *path.parents))
+
+
+def refuse_overlap(out: Path, reads: Iterable[tuple[str, Path]], within: Iterable[tuple[str, Path]] = ()) -> None:
+    """Refuse, whatever the flags, an ``out`` that is one of the paths a command reads or holds one (a
+    parent folder): writing or replacing it would destroy the input. ``within`` are read too, and
+    ``out`` may not lie inside them either (the base a heads-only output loads, deltafy's cache)."""
+    target = _real(out)
+    for what, path, inside in [(w, p, False) for w, p in reads] + [(w, p, True) for w, p in within]:
+        path = _real(path)
+        if _same(target, path):
+            problem = f"is {what} {path}: the output would replace it"
+        elif _within(path, target):
+            problem = f"contains {what} {path}: the output would replace it"
+        elif inside and _within(target, path):
+            problem = f"is inside {what} {path}, which this command reads: the output may not be written there"
+        else:
+            continue
+        raise DeltafyError(f"--out {out} {problem}; choose another --out")
 
 
 def _sibling(out: Path, kind: str, pid: int) -> Path:
@@ -52,7 +157,8 @@ def clear_leftovers(out: Path) -> None:
     nothing model-sized stays hidden there; refuse while the process that made them still runs.
 
     A save that was killed between its two renames left ``out`` missing and the previous ``out``
-    in its ``-old-`` folder: that one is put back, not removed.
+    in its ``-old-`` folder: that one is put back, not removed; and the user's own files that an
+    overwrite had not yet moved back from it are put back into ``out``.
     """
     if not out.parent.is_dir():
         return
@@ -69,8 +175,18 @@ def clear_leftovers(out: Path) -> None:
             os.replace(path, out)
             log.warning("restored %s from %s, left by an interrupted save (process %s)", out, path.name, pid)
             continue
+        if kind == "old":
+            _keep_foreign(path, out)
         shutil.rmtree(path, ignore_errors=True)
         log.warning("removed %s, left by an interrupted save (process %s)", path, pid)
+
+
+def _keep_foreign(old: Path, out: Path) -> None:
+    """Move the entries of ``old`` that deltafy did not write into ``out`` (unless ``out`` has one of
+    that name): an overwrite replaces deltafy's files only."""
+    for entry in old.iterdir():
+        if not owned(entry.name) and not os.path.lexists(out / entry.name):
+            os.replace(entry, out / entry.name)
 
 
 def _os_errno(err: BaseException) -> int | None:
@@ -82,31 +198,53 @@ def _os_errno(err: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# torch.save reports a failed write without an errno: "PytorchStreamWriter failed writing file ...",
+# "[enforce fail at inline_container.cc:...] . unexpected pos ...", or "basic_ios::clear: iostream error".
+TORCH_WRITE_ERRORS = ("write", "iostream error", "inline_container", "unexpected pos")
+LOW_SPACE = 64 << 20  # free bytes below which a write that failed without a reason is put down to a full disk
+
+
+def write_error(err: BaseException, where: Path, need: int | None = None) -> str | None:
+    """What went wrong when writing under ``where`` failed with ``err``, in words ("ran out of disk
+    space (it needs about 560.4 kB, 307.2 kB free)"), or None when ``err`` is no write failure."""
+    code = _os_errno(err)
+    if code is None and isinstance(err, RuntimeError) and any(s in str(err).lower() for s in TORCH_WRITE_ERRORS):
+        if free_space(where) >= LOW_SPACE:
+            return f"the write failed ({first_line(err)})"
+        code = errno.ENOSPC
+    if code is None:
+        return None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        needs = f"it needs about {size(need)}, " if need else ""
+        return f"ran out of disk space ({needs}{size(free_space(where))} free)"
+    return os.strerror(code) if not isinstance(err, OSError) else (err.strerror or os.strerror(code))
+
+
+def free_space(where: Path) -> int:
+    where = Path(where)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def size(nbytes: float) -> str:
+    """A size people read at a glance: 512 B, 3.4 MB, 1.21 GB (never "0.0 GiB" for a small one)."""
+    from .cache import human_size
+
+    return human_size(nbytes)
+
+
 @contextmanager
-def _atomic_dir(out: Path, overwrite: bool, merge: bool = False):
+def _atomic_dir(out: Path, overwrite: bool, merge: bool = False, need: int | None = None):
     """Yield a temporary sibling folder; on success it replaces ``out`` (or, with ``merge``, its
-    files move into ``out``); on any failure it is removed."""
+    files move into ``out``); on any failure it is removed. ``need``: about how many bytes the
+    output takes, for the message of a full disk."""
     check_output_dir(out, overwrite)
     tmp = _sibling(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with sigterm_unwinds(), _replacing(tmp, out, merge):
+    with interrupts.unwinding(), _replacing(tmp, out, merge, need):
         yield tmp
-
-
-@contextmanager
-def sigterm_unwinds():
-    """SIGTERM (a scheduler killing the job, ``kill PID``) raises KeyboardInterrupt like Ctrl-C, so
-    the ``finally`` and ``except`` blocks it passes through run; the previous handler is restored."""
-    try:
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    except ValueError:  # not the main thread: signals stay as they are
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 def file_mode() -> int:
@@ -131,29 +269,29 @@ def readable(folder: Path) -> None:
 
 
 @contextmanager
-def _replacing(tmp: Path, out: Path, merge: bool):
+def _replacing(tmp: Path, out: Path, merge: bool, need: int | None):
     try:
         yield tmp
         readable(tmp)
-        if merge and out.is_dir():
-            _move_into(tmp, out)
-            return
-        old = None
-        if out.exists():
-            old = _sibling(out, "old", os.getpid())
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        with interrupts.deferred():  # the folder changes hands in one piece, whatever signal comes
+            if merge and out.is_dir():
+                _move_into(tmp, out)
+                return
+            old = None
+            if out.exists():
+                old = _sibling(out, "old", os.getpid())
+                os.replace(out, old)
+            os.replace(tmp, out)
+            if old is not None:
+                _keep_foreign(old, out)
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        code = _os_errno(err)
-        if code == errno.ENOSPC:
-            raise DeltafyError(f"ran out of disk space while writing {out}; nothing was written") from err
-        if isinstance(err, OSError):
-            raise DeltafyError(f"could not write {out}: {err.strerror or err}; nothing was written") from err
-        if code is not None:
-            raise DeltafyError(f"could not write {out}: {os.strerror(code)}; nothing was written") from err
+        reason = write_error(err, out.parent, need)
+        if reason is not None:
+            raise DeltafyError(
+                f"could not write {out}: {reason}; nothing was written: free space or choose another --out"
+            ) from err
         raise
 
 

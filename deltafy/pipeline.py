@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import save
-from .convert import convert, summarize
 from .errors import DeltafyError
-from .folders import check_output_dir
+from .folders import check_output_dir, refuse_overlap
 from .recipe import Recipe, load_recipe
 from .sources import (
     ALIASES,
@@ -25,6 +24,7 @@ from .sources import (
     refuse_deltafy_folder,
 )
 from .stream import StreamPlan, check_space, plan_stream, write_tensors
+from .surgery import convert, summarize
 from .verify import CheckReport, make_inputs, record_reference, self_check
 
 LAYERWISE_ABOVE = 2 << 30  # bytes of weights above which the self-check reads one decoder layer at a time
@@ -117,12 +117,14 @@ def convert_source(
     ``progress(what, advance, total)`` reports bytes written and layers checked.
     """
     out = Path(out).expanduser()
+    guard_source(source, out, heads_only)
     check_output_dir(out, overwrite)
     recipe = load_recipe(recipe)
     folder, provenance = Path(source).expanduser(), None
     if streaming is not False and device is None and is_hub_id(source):
         status(f"fetching {source} from the Hugging Face Hub")
         folder, provenance = download_snapshot(source) or (folder, None)
+        refuse_overlap(out, [("the downloaded model", folder)], [("the base model", folder)] if heads_only else [])
     elif streaming is not False and device is None and (source in ALIASES or is_gguf_file(folder)):
         status(f"reading {source} through deltafy's cache (dequantized on first use only)")
         cached, provenance = gguf_folder(source)
@@ -171,6 +173,20 @@ def convert_source(
         base=source if heads_only else None,
     )
     return ConversionResult(plan=plan_for(model), check=check, out=out, provenance=loaded.provenance)
+
+
+def guard_source(source: str, out: Path, heads_only: bool) -> None:
+    """Refuse an ``out`` that is, or holds, what converting ``source`` reads: the source itself (a
+    folder, a .gguf file, an alias's file) and deltafy's dequantized copies of GGUF files (nor may it
+    lie inside those); with ``heads_only``, nor inside the source, which the output loads as its base."""
+    from .sources import cache_dir, resolve_alias
+
+    path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
+    source_read = [("the source", path)] if path.exists() else []
+    cache = [("deltafy's cache of dequantized GGUF models", cache_dir() / "gguf")]
+    gguf = source in ALIASES or is_gguf_file(path)
+    base = [("the base model", path)] if heads_only and path.exists() else []
+    refuse_overlap(out, [] if heads_only else source_read, base + (cache if gguf else []))
 
 
 def _passed(check: CheckReport) -> CheckReport:

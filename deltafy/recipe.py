@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import DeltafyError
+from .errors import DeltafyError, first_line
 from .modeling_deltafy import DeltaSpec
 
 DEFAULT_RECIPE = "ddl-scalar"
@@ -194,5 +194,5 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise DeltafyError(f"could not read recipe {path}: {str(err).splitlines()[0]}") from err
+        raise DeltafyError(f"could not read recipe {path}: {first_line(err)}") from err
     return recipe_from_dict(data, origin=f"recipe {path}")

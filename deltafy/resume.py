@@ -5,7 +5,6 @@ complete or absent, and found again (the newest complete one) by ``--resume``.""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -99,21 +98,12 @@ def publish(staged: Path, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-# torch.save reports a failed write without an errno: "PytorchStreamWriter failed writing file ...",
-# or, when the stream breaks first, "basic_ios::clear: iostream error".
-TORCH_WRITE_ERRORS = ("write", "iostream error")
-
-
-def write_failure(err: BaseException, what: str, state_dir: Path) -> DeltafyError | None:
+def write_failure(err: BaseException, what: str, state_dir: Path, need: int | None = None) -> DeltafyError | None:
     """One line for a failed write (a full disk, a file-size limit), naming what is still usable."""
-    from .folders import _os_errno
+    from .folders import write_error
 
-    code = _os_errno(err)
-    if code is not None:
-        reason = "ran out of disk space" if code == errno.ENOSPC else os.strerror(code)
-    elif isinstance(err, RuntimeError) and any(s in str(err).lower() for s in TORCH_WRITE_ERRORS):
-        reason = "the write failed (is the disk full?)"
-    else:
+    reason = write_error(err, state_dir, need)
+    if reason is None:
         return None
     usable, _ = newest_complete(state_dir)
     keep = f"{usable} is still usable: free space and rerun with --resume" if usable else "no checkpoint was saved"
@@ -158,7 +148,9 @@ def atomic_trainer():
             except BaseException as err:
                 if self.args.should_save:
                     shutil.rmtree(staged.parent, ignore_errors=True)
-                failure = write_failure(err, f"checkpoint {root / name}", root)
+                previous, _ = newest_complete(root)  # as big as this one would have been
+                need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) if previous else None
+                failure = write_failure(err, f"checkpoint {root / name}", root, need)
                 if failure is not None:
                     raise failure from err
                 raise
@@ -282,10 +274,22 @@ def load_trainable(model, unwrapped, folder: Path, sharded: bool = False) -> Non
     misshapen = [k for k in expected if k in saved and tuple(saved[k].shape) != expected[k]]
     if missing or unknown or misshapen:
         odd = (missing or unknown or misshapen)[0]
-        what = "missing" if missing else "not in this model" if unknown else "of another shape"
+        what = (
+            "missing"
+            if missing
+            else "not in this model"
+            if unknown
+            else f"of shape {tuple(saved[odd].shape)}, the model's is {expected[odd]}"
+        )
         raise DeltafyError(
             f"the trained tensors in {folder} do not fit this model ({len(missing)} missing, {len(unknown)} "
             f"unknown, {len(misshapen)} of another shape; e.g. {odd}, {what}); it cannot be resumed"
+        )
+    odd = next((k for k in expected if not saved[k].is_floating_point()), None)
+    if odd is not None:  # load_state_dict would cast an integer tensor into the parameter without a word
+        raise DeltafyError(
+            f"the trained tensor {odd} in {folder} is {str(saved[odd].dtype).removeprefix('torch.')}, not a "
+            f"floating-point tensor; it cannot be resumed"
         )
     # Only what trains is loaded: a frozen tensor a checkpoint also holds is the value the run loaded.
     state = {k: saved[k] for k in expected}

@@ -17,32 +17,37 @@ import torch
 
 from .errors import DeltafyError
 from .resume import STAGING_DIR
+from .train import RECORD_FILE
 
 LOCK_FILE = ".deltafy-lock"
 
 # -- the --out folder --------------------------------------------------------------------------
 
 
-def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool) -> None:
-    """Refuse, before anything is loaded, an ``--out`` that would destroy the input or a file."""
-    model = Path(model_dir).expanduser().resolve()
-    target = out.resolve()
-    if target == model:
-        raise DeltafyError(
-            f"--out {out} is the input model folder: the trained model would replace it; choose another --out"
-        )
-    if target in model.parents:
-        raise DeltafyError(
-            f"--out {out} contains the input model folder {model_dir}: the run would write over it; "
-            f"choose another --out"
-        )
+def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=(), within=()) -> None:
+    """Refuse, before anything is loaded, an ``--out`` that would destroy the input or the user's files:
+    whatever the flags, one that is or holds the input model folder or another path the run reads
+    (``reads``: its data, a base; ``within``: the base a heads-only output loads, which ``--out`` may
+    not lie inside either); without --resume or --overwrite, one that holds files; with --overwrite,
+    one that deltafy did not write."""
+    from .folders import check_writable, is_output, refuse_overlap
+
+    refuse_overlap(out, [("the input model folder", Path(model_dir)), *reads], within)
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")
-    if not (resume or overwrite) and holds_files(out):
-        raise DeltafyError(
-            f"{out} already holds files; pass --resume to continue that run, --overwrite to replace its "
-            f"model and run state, or choose another --out"
-        )
+    if holds_files(out):
+        if not (resume or overwrite):
+            raise DeltafyError(
+                f"{out} already holds files; pass --resume to continue that run, --overwrite to replace its "
+                f"model and run state, or choose another --out"
+            )
+        if not is_output(out):
+            raise DeltafyError(
+                f"{out} holds files that deltafy did not write (no deltafy config.json or run record): "
+                f"{'--resume' if resume else '--overwrite'} applies only to a deltafy run's folder; choose another "
+                f"--out"
+            )
+    check_writable(out)
 
 
 def holds_files(out: Path) -> bool:
@@ -123,8 +128,12 @@ class RunLock:
         self._cleanup_out()
 
     def _cleanup_out(self) -> None:
-        """A run that failed before writing anything leaves no empty --out behind."""
-        if self.created_out and self.out.is_dir() and not any(p.name != LOCK_FILE for p in self.out.iterdir()):
+        """A run that failed or was interrupted before it trained a step leaves no --out behind (it held
+        only the lock and the run's record: nothing to resume from)."""
+        if not (self.created_out and self.out.is_dir()):
+            return
+        kept = [p for p in self.out.rglob("*") if p.is_file() and p.name not in (LOCK_FILE, RECORD_FILE)]
+        if not kept:
             shutil.rmtree(self.out, ignore_errors=True)
 
 
@@ -186,6 +195,9 @@ class Stop:
 
     def _handle(self, signum, frame):
         if not self.training or self.signal is not None:
+            from .interrupts import note
+
+            note(signum)
             raise KeyboardInterrupt
         self.signal = signum
 

@@ -83,14 +83,15 @@ def _zero3_gathered(params: list[torch.Tensor]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # read-only, on every rank
 
 
-def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor]):
+def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], base=None):
     """The model as trained, unsharded: the input loaded again (the frozen base exactly as it is
-    on disk), wrapped like the trained one (LoRA), with the trained tensors put in."""
+    on disk; a heads-only input's from ``base`` where it moved), wrapped like the trained one (LoRA),
+    with the trained tensors put in."""
     from .checkpoint import load
     from .train import select_trainable
 
     _leave_zero3()
-    model = load(model_dir, dtype=torch.float32)
+    model = load(model_dir, dtype=torch.float32, base=base)
     model, _ = select_trainable(model, options.train, options)
     params = dict(model.named_parameters())
     missing = sorted(set(trained) - set(params))

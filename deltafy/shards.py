@@ -9,6 +9,7 @@ as the file is open, which for a multi-GB shard is the whole shard.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ def weight_files(folder: Path) -> list[Path] | None:
         raise DeltafyError(f"could not read {index}: {err}") from err
     files = []
     for name in dict.fromkeys(weight_map.values()):
+        # (the HF cache's shards are links out of their folder: the name is checked, not where it leads)
+        if not isinstance(name, str) or os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+            raise DeltafyError(
+                f"{index} names {name!r}, which is not a file in {folder}: an index may only name the model's own "
+                f"shards; fix the index or fetch the model again"
+            )
         path = folder / name
         if not path.is_file():
             raise DeltafyError(f"{folder} is incomplete: its index names {name}, which is not there")

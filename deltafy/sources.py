@@ -225,10 +225,26 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
                 f"the weights of {what} are incomplete ({len(missing)} tensors missing, e.g. "
                 f"{missing[0]}); the files may be truncated or from another model"
             )
+        check_finite(model, what, config)
         tokenizer = source_tokenizer(location, what, **kwargs)
     finally:
         _restore_transformers(previous)
     return Source(model.eval(), tokenizer)
+
+
+def check_finite(model, what: str, config) -> None:
+    """Refuse weights that hold inf or NaN, naming the first: converted, they would compute NaN, which a
+    self-check reports only as "off by nan" (and --no-verify would write). Loaded in float16 from a
+    wider dtype, that is a cast that overflowed: float16 holds at most ±65504."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            stored = _dtype("auto", config)
+            if tensor.dtype == torch.float16 and stored != torch.float16:
+                raise DeltafyError(
+                    f"{name} of {what} does not fit in float16 (it holds values beyond ±65504 in "
+                    f"{str(stored).removeprefix('torch.')}); convert with --dtype bfloat16 or float32"
+                )
+            raise DeltafyError(f"{name} of {what} holds inf or NaN: the weights are damaged; fetch them again")
 
 
 def source_tokenizer(location: str, what: str, **kwargs):
@@ -294,6 +310,9 @@ def gguf_cache(path: Path) -> tuple[Path | None, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         log.warning("could not cache the dequantized GGUF model: %s", _short(err))
         return None, digest
+    except BaseException:  # an interrupt: no half-written copy stays in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return cached, digest
 
 
@@ -321,6 +340,7 @@ def load_gguf(source: str, dtype: str) -> Source:
         model = _read_gguf(path, lambda: dequantize_whole(path))
         tok = _read_gguf(path, lambda: gguf_tokenizer(path))
         loaded = Source(model.to(_dtype(dtype, model.config)).eval(), tok)
+        check_finite(loaded.model, source, model.config)
     else:
         loaded = _load_pretrained(str(cached), source, dtype if dtype != "auto" else "float32", local_files_only=True)
     loaded.provenance = provenance
@@ -360,6 +380,9 @@ def load_source(source: str, dtype: str = "auto") -> Source:
                 f"*.safetensors), a .gguf file or a Hub id"
             )
         refuse_deltafy_folder(path, source)
+        from .shards import weight_files
+
+        weight_files(path)  # an index that names files outside the folder is refused, not followed
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
         loaded.provenance = local_provenance(path)
         return loaded

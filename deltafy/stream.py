@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from .checkpoint import head_tensors
-from .convert import convert
 from .errors import DeltafyError
+from .folders import size
 from .recipe import Recipe
 from .shards import INDEX_FILE, Entry, read_header, read_tensor, weight_files, write_file
 from .sources import NO_REMOTE_CODE, _dtype, load_config, local_provenance, source_tokenizer
+from .surgery import convert
 
 CHUNK = 16 << 20  # bytes per read when a shard is copied rather than linked
 LINK_FAILURES = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP)
@@ -170,8 +171,8 @@ def check_space(plan: StreamPlan, out: Path) -> None:
     free = shutil.disk_usage(parent).free
     if need > free:
         raise DeltafyError(
-            f"not enough disk space for {out}: it needs {need / 2**30:.1f} GiB and {parent} has "
-            f"{free / 2**30:.1f} GiB free; free space or choose another --out"
+            f"not enough disk space for {out}: it needs {size(need)} and {parent} has {size(free)} free; free "
+            f"space or choose another --out"
         )
 
 
@@ -204,10 +205,27 @@ def _cast_file(plan: StreamPlan, entries: list[Entry], dest: Path, progress: Pro
         entry = plan.entries[key]
         with open(entry.file, "rb") as fh:
             value = read_tensor(fh, entry)
-        return value.to(plan.cast) if plan._casts(entry) else value
+        if not plan._casts(entry):
+            return value
+        cast = value.to(plan.cast)
+        check_cast(key, value, cast)
+        return cast
 
     layout = [(e.key, plan.cast if plan._casts(e) else e.torch_dtype, e.shape) for e in entries]
     write_file(dest, layout, tensor, progress)
+
+
+def check_cast(name: str, value: torch.Tensor, cast: torch.Tensor) -> None:
+    """Refuse a cast that turned finite weights into inf (float16 holds at most ±65504): written, the
+    model would compute NaN, and a self-check would only say that it is off by nan."""
+    if torch.isfinite(cast).all() or not torch.isfinite(value).all():
+        return
+    peak = value.abs().max().item()
+    dtype = str(cast.dtype).removeprefix("torch.")
+    raise DeltafyError(
+        f"{name} does not fit in {dtype}: its largest value is {peak:.4g}, beyond {torch.finfo(cast.dtype).max:.4g}; "
+        f"convert with --dtype bfloat16 or float32"
+    )
 
 
 def _link_or_copy(src: Path, dest: Path, progress: Progress) -> bool:

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import DeltafyError
+from .errors import DeltafyError, first_line
 from .folders import readable
 from .modeling_deltafy import delta_sites, mean_betas
 from .recipe import TrainingDefaults, format_validation
@@ -84,8 +84,8 @@ class TrainResult:
 
 def select_trainable(model, mode: Mode, options: TrainOptions):
     """Freeze what must not train; wrap in LoRA when asked. Returns (model, optimizer groups)."""
-    from .convert import head_parameter_groups
     from .recipe import Recipe
+    from .surgery import head_parameter_groups
 
     recipe = Recipe.model_validate(model.config.deltafy["recipe"]).model_copy(update={"training": options})
     for p in model.parameters():
@@ -128,7 +128,7 @@ def _with_lora(model, options: TrainOptions):
     try:
         return get_peft_model(model, config)
     except ValueError as err:
-        raise DeltafyError(f"LoRA: {str(err).splitlines()[0]} (check --lora-targets)") from err
+        raise DeltafyError(f"LoRA: {first_line(err)} (check --lora-targets)") from err
 
 
 def _refuse_site_modules(model, config, defaults) -> None:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from .errors import DeltafyError
+from .errors import DeltafyError, first_line
 from .modeling_deltafy import _first_tensor, _stash, apply_deltafy, disabled
 
 PROMPTS = (
@@ -167,7 +167,7 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
         _stash().clear()
         raise DeltafyError(
             f"site map for {spec['base_model_type']!r} does not fit this model: "
-            f"{str(err).removeprefix('deltafy: ').splitlines()[0]}"
+            f"{first_line(err).removeprefix('deltafy: ')}"
         ) from err
     finally:
         model.train(was_training)

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import deltafy
 from deltafy import DeltafyError, convert, load_recipe
 from deltafy.architectures import ARCHITECTURES, SUPPORTED, layout_for
-from deltafy.convert import build_spec, is_converted
 from deltafy.modeling_deltafy import DeltaSite, apply_deltafy, delta_sites, mean_betas
+from deltafy.surgery import build_spec, is_converted
 from deltafy.verify import Reference, check_site_map, logit_tolerance, make_inputs, record_reference, self_check
 
 NEW_TOKENS = 32

@@ -435,7 +435,7 @@ def test_bad_train_flags_are_reported_at_once(tmp_path):
 
 
 # -- occupied output folders ------------------------------------------------------------------------
-def test_out_folder_with_files_is_refused_then_overwritten(tmp_path, src):
+def test_out_folder_with_files_is_refused_and_overwrite_replaces_only_what_deltafy_wrote(tmp_path, src):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -444,10 +444,19 @@ def test_out_folder_with_files_is_refused_then_overwritten(tmp_path, src):
     proc = cli("convert", src, "--out", out, cwd=tmp_path)
     assert_one_line_error(proc, "already holds files", "--overwrite")
     assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    # a folder deltafy did not write is no previous output to replace, whatever the flags
+    proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
+    assert_one_line_error(proc, "--overwrite replaces only a folder deltafy wrote", str(out))
+    assert sorted(os.listdir(out)) == ["keep.txt"]
 
+    (out / "keep.txt").rename(tmp_path / "keep.txt")
+    assert cli("convert", src, "--out", out, cwd=tmp_path).returncode == 0
+    (tmp_path / "keep.txt").rename(out / "keep.txt")  # the user's file, added to a deltafy output
+    (out / "README.md").write_text("an older card")
     proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert not (out / "keep.txt").exists()
+    assert (out / "keep.txt").read_text() == "mine"  # kept: --overwrite replaces deltafy's files only
+    assert (out / "README.md").read_text() != "an older card"
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sibling.txt"]
     assert (tmp_path / "sibling.txt").read_text() == "untouched"

@@ -8,8 +8,8 @@ import torch
 from conftest import open_gates, tiny_model
 
 import deltafy
-from deltafy.convert import head_parameter_groups, summarize
 from deltafy.modeling_deltafy import DeltaRead, DeltaSpec, delta_sites, delta_tensors
+from deltafy.surgery import head_parameter_groups, summarize
 from deltafy.verify import make_inputs, record_reference, self_check
 
 NEW_TOKENS = 32
@@ -217,8 +217,8 @@ def test_saved_checkpoint_says_what_the_stream_carries(tmp_path):
 def test_a_site_read_at_the_layer_input_is_refused_before_anything_is_attached():
     from dataclasses import replace
 
-    from deltafy.convert import build_spec
     from deltafy.modeling_deltafy import apply_deltafy
+    from deltafy.surgery import build_spec
 
     model = tiny_model("llama-untied")
     spec = DeltaSpec.from_dict(build_spec(model.config, deltafy.load_recipe("ddl-expanded")))

@@ -15,9 +15,9 @@ from safetensors.torch import save_file, save_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deltafy import DeltafyError, convert, load_recipe
-from deltafy.convert import build_spec
 from deltafy.lazy import empty_model, is_head, layer_by_layer, missing_weights, safetensors_weights
 from deltafy.modeling_deltafy import apply_deltafy
+from deltafy.surgery import build_spec
 from deltafy.verify import (
     LAYER_BY_LAYER,
     check_site_map,

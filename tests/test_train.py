@@ -235,9 +235,12 @@ def test_out_folder_guards(tiny, tmp_path):
         train(tiny, busy)
     assert "--resume" in str(err.value) and "--overwrite" in str(err.value)
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
-    for empty in (tmp_path / "new", busy):
-        with pytest.raises(DeltafyError, match="nothing to resume"):
-            train(tiny, empty, resume=True)
+    with pytest.raises(DeltafyError, match="nothing to resume"):
+        train(tiny, tmp_path / "new", resume=True)
+    for flag in ("resume", "overwrite"):  # a folder deltafy did not write is no run to continue or replace
+        with pytest.raises(DeltafyError, match=f"deltafy did not write .* --{flag} applies only"):
+            run_training(str(tiny.delta), [str(tiny.train_txt)], busy, opts(), show_progress=False, **{flag: True})
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
 
 
 # -- LoRA and full training -------------------------------------------------------------------

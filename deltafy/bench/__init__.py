@@ -11,8 +11,10 @@ lr-<m>x/`` (the sweep, seed 0, validated on the held-out share of ``data``), ``r
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,14 +80,17 @@ def run_bench(
     CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
     from ..data import expand
+    from ..folders import refuse_overlap
+    from ..pipeline import guard_source
 
     out = Path(out).expanduser()
     names = parse_arms(arms)
     lrs = check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite)
     train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
-    shared = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in held_files})
-    if shared:
-        raise DeltafyError(f"--eval-data {shared[0]} is also in --data: the held-out text must not be trained on")
+    refuse_shared_text(train_files, held_files)
+    guard_source(source, out, heads_only=False)
+    texts = [("the training data", Path(f)) for f in train_files] + [("the held-out data", Path(f)) for f in held_files]
+    refuse_overlap(out, [(what, path) for what, path in texts if path.exists()])
     recipes = recipes_for(names)
     options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field)
     settings = {
@@ -106,17 +111,26 @@ def run_bench(
         compare(saved["settings"], settings, out)
     isolate = not _cuda() if isolate is None else isolate
 
-    from ..folders import sigterm_unwinds
+    from ..interrupts import unwinding
     from ..runs import RunLock
 
-    with RunLock(out):
+    with RunLock(out) as lock:
         if overwrite:
             clear(out)
             saved = None
-        models = {recipe: converted(source, out / "models" / recipe, recipe, status) for recipe in recipes}
-        settings |= data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
-        if saved is not None:
-            compare(saved["settings"], settings, out)
+        made = [out / "models" / recipe for recipe in recipes if not (out / "models" / recipe).exists()]
+        try:
+            models = {recipe: converted(source, out / "models" / recipe, recipe, status) for recipe in recipes}
+            settings |= data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
+            if saved is not None:
+                compare(saved["settings"], settings, out)
+        except BaseException:  # refused before its first run: nothing left that the corrected command trips on
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)
+            if lock.created_out:
+                with contextlib.suppress(OSError):
+                    (out / "models").rmdir()
+            raise
         state = saved or {"format": FORMAT, "settings": settings, "sweep": [], "records": []}
         status("counting trainable parameters")
         budgets = Budgets(models, lora_targets)
@@ -125,7 +139,7 @@ def run_bench(
         lines = len(_swept(names)) + sum(ARMS[n].heads_lr_from is not None for n in names)  # ddl+lora: two
         bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines
         try:
-            with sigterm_unwinds():
+            with unwinding():
                 for name in names:
                     bench.arm(name, seeds)
         except KeyboardInterrupt:
@@ -136,6 +150,21 @@ def run_bench(
             ) from None
         report(bench.total, bench.total, "done")
         return bench.result(names, seeds)
+
+
+def refuse_shared_text(train_files: list[str], held_files: list[str]) -> None:
+    """The held-out text must not be trained on: refuse a file of --eval-data whose bytes are those of a
+    file of --data, whatever either is called (a copy under another name, a link)."""
+    from ..sources import sha256_file
+
+    trained = {sha256_file(Path(f)): f for f in train_files if Path(f).is_file()}
+    for file in held_files:
+        twin = trained.get(sha256_file(Path(file))) if Path(file).is_file() else None
+        if twin is not None:
+            raise DeltafyError(
+                f"--eval-data {file} holds the same text as --data {twin}: the held-out text must not be trained "
+                f"on; hold out other text"
+            )
 
 
 def _swept(names: list[str]) -> list[str]:
@@ -297,6 +326,9 @@ class _Bench:
             keep_only_the_record(folder)
         except NonFiniteLoss as err:  # a learning rate too large: the sweep's answer, not the bench's failure
             record |= {"validation_loss": None, "diverged": str(err)}
+            self.status(f"{name}: the loss diverged at lr ×{multiplier:g}; the sweep goes on without it")
+            if folder.is_dir():
+                keep_only_the_record(folder)
         self._add("sweep", record)
 
     def _seed(self, name: str, multiplier: float, heads: float | None, seed: int) -> None:

@@ -90,7 +90,7 @@ class Budgets:
 
     def heads(self, recipe: str) -> int:
         if recipe not in self._heads:
-            from ..convert import head_parameter_groups
+            from ..surgery import head_parameter_groups
 
             model = _load(self.models[recipe])
             self._heads[recipe] = sum(p.numel() for g in head_parameter_groups(model) for p in g["params"])

@@ -22,12 +22,20 @@ def guard(out: Path, resume: bool, overwrite: bool) -> dict | None:
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")
     saved = read(out / BENCH_FILE)
-    if overwrite or not holds_files(out):
-        return saved if resume else None
+    if not holds_files(out):
+        return None
+    theirs = [name for name in OWNED if (out / name).exists()] if saved is None else []
+    if theirs:  # not a bench's: --overwrite would delete the user's own folder of that name
+        raise DeltafyError(
+            f"{out} holds {theirs[0]} but no {BENCH_FILE}, so it is not a bench deltafy wrote; choose another --out "
+            f"(whatever the flags, a bench replaces its own {', '.join(OWNED)} only)"
+        )
+    if overwrite:
+        return None
     if saved is None:
         raise DeltafyError(
             f"{out} already holds files and no {BENCH_FILE}; choose another --out, or pass --overwrite to bench "
-            f"there anyway (it replaces only models/, runs/, {BENCH_FILE} and {PLOT_FILE})"
+            f"there anyway (it adds models/, runs/, {BENCH_FILE} and {PLOT_FILE} and leaves the rest alone)"
         )
     if not resume:
         raise DeltafyError(

@@ -1,108 +1,53 @@
-"""The ``deltafy`` command: one module per command, all of them thin layers over the library."""
+"""The ``deltafy`` command. This module stays light: ``main`` takes over Ctrl-C and SIGTERM before
+torch and transformers are imported (seconds), so an interrupt at any point ends the same way."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-import click
-import typer
-from rich.markup import escape
-
-from ..errors import DeltafyError
-from ._console import console, err_console, state
-from .bench import bench_command
-from .cache import cache_app
-from .convert import convert_command
-from .eval import eval_command
-from .inspect import inspect_command
-from .push import push_command
-from .recipes import recipes_command
-from .train import train_command
-
-app = typer.Typer(
-    name="deltafy",
-    help="Turn a pretrained Hugging Face decoder into a Deep Delta Learning model, train it, ship it.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-
-
-@app.callback()
-def _global(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
-) -> None:
-    state.debug = debug
-
-
-try:  # recent typer vendors its own click: its usage errors are not the click package's classes
-    from typer._click.exceptions import ClickException as _TyperClickException
-except ImportError:  # older typer raises click's own
-    _TyperClickException = click.ClickException
-_CLICK_ERRORS = (click.ClickException, _TyperClickException)
-_EXITS = (click.exceptions.Exit, typer.Exit)
-_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, typer.Abort)
-
-app.command("convert", no_args_is_help=True)(convert_command)
-_MANY = {"allow_extra_args": True}  # extra paths after --data
-app.command("train", no_args_is_help=True, context_settings=_MANY)(train_command)
-app.command("eval", no_args_is_help=True, context_settings=_MANY)(eval_command)
-app.command("inspect", no_args_is_help=True)(inspect_command)
-app.command("recipes")(recipes_command)
-app.command("push", no_args_is_help=True)(push_command)
-app.command("bench", no_args_is_help=True, context_settings=_MANY)(bench_command)
-app.add_typer(cache_app, name="cache")
+from .. import interrupts
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: errors become one line on stderr and a non-zero exit code.
-
-    Exit codes: 1 for an error (``error: ...`` for a DeltafyError, which says what to do, or
-    ``internal error ...`` for a bug in deltafy), 2 for a usage error (click's), 130 when
-    interrupted. With ``--debug`` errors propagate instead: Python prints the whole traceback,
-    including the exception a DeltafyError was raised from.
-    """
+    """Console entry point: errors become one line on stderr and a non-zero exit code; an interrupt
+    (Ctrl-C, SIGTERM) unwinds what was being written and exits 130 / 143 with a line saying so."""
+    interrupts.install()
     args = sys.argv[1:] if argv is None else argv
-    state.debug = "--debug" in args
-    state.argv = list(args)
-    # deltafy shows its own progress; third-party tqdm bars would interleave with it.
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     try:
-        app(args=args, prog_name="deltafy", standalone_mode=False)
-    except DeltafyError as err:
+        from ._console import state
+
+        state.debug = "--debug" in args
+        state.argv = list(args)
+        from ._app import run
+
+        run(args)
+    except KeyboardInterrupt:
+        from rich.markup import escape
+
+        from ._console import err_console, state
+
         if state.debug:
             raise
-        # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except _EXITS as err:
-        sys.exit(err.exit_code)
-    except _CLICK_ERRORS as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except _ABORTS:
-        err_console.print("[bold red]interrupted[/]; no partial output was left behind", highlight=False)
-        sys.exit(130)
-    except Exception as err:
-        # Every failure deltafy expects (bad input, missing files, offline Hub, unsupported model)
-        # is a DeltafyError above. Anything else is a bug in deltafy: say so rather than pass it off
-        # as the user's mistake, and ask for the report that lets us fix it.
-        if state.debug:
-            raise
-        lines = str(err).strip().splitlines()
-        what = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-        err_console.print(
-            f"[bold red]internal error[/] (a bug in deltafy): {escape(what)}; please report it on the deltafy "
-            f"issue tracker with the command you ran and the output of rerunning it with --debug",
-            highlight=False,
-            soft_wrap=True,
-        )
-        sys.exit(1)
+        kept = state.kept or "nothing was written"  # what the command said it leaves as it was
+        line = f"interrupted by {interrupts.name()}; {kept}"
+        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        if argv is not None:  # called from Python: leave the process to its caller
+            sys.exit(interrupts.exit_code())
+        # The process's own entry point: everything was unwound and cleaned up on the way here. Exit
+        # now, with the code: CPython kills itself with SIGINT at exit (-2, whatever the signal) once a
+        # KeyboardInterrupt went through code it ran with PyRun_* (torch's import does), caught or not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(interrupts.exit_code())
 
 
-__all__ = ["app", "main", "console"]
+def __getattr__(name: str):
+    if name == "app":  # the typer app, for tests and embedding (imports every command)
+        from ._app import app
+
+        return app
+    raise AttributeError(name)
+
+
+__all__ = ["main"]

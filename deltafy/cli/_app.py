@@ -74,6 +74,8 @@ def run(args: list[str]) -> None:
         # caught) instead of exiting; a code that is not 0 must still reach the shell.
         code = app(args=args, prog_name="deltafy", standalone_mode=False)
     except DeltafyError as err:
+        if _by_the_interrupt(err):
+            raise KeyboardInterrupt from err
         if state.debug:
             raise
         # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
@@ -87,6 +89,8 @@ def run(args: list[str]) -> None:
     except _ABORTS:
         raise KeyboardInterrupt from None  # deltafy.cli.main reports it
     except Exception as err:
+        if _by_the_interrupt(err):
+            raise KeyboardInterrupt from err
         # Every failure deltafy expects (bad input, missing files, offline Hub, unsupported model)
         # is a DeltafyError above. Anything else is a bug in deltafy: say so rather than pass it off
         # as the user's mistake, and ask for the report that lets us fix it.
@@ -104,6 +108,15 @@ def run(args: list[str]) -> None:
         raise KeyboardInterrupt
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _by_the_interrupt(err: Exception) -> bool:
+    """Whether ``err`` is what a Ctrl-C or SIGTERM became on its way up: a library that catches every
+    exception turns the KeyboardInterrupt into one of its own (transformers' lazy imports raise
+    "Could not import module 'LlamaConfig'"). deltafy's own reports of an interrupt say so."""
+    from .. import interrupts
+
+    return interrupts.received is not None and "interrupted" not in str(err)
 
 
 __all__ = ["app", "run", "console"]

@@ -8,7 +8,9 @@ from rich.markup import escape
 # soft_wrap: a line that names a path stays one line (a pipe or a narrow terminal would break it at its spaces).
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
-state = SimpleNamespace(debug=False, argv=[])  # argv: the command line main() was given
+# argv: the command line main() was given; kept: what an interrupt leaves as it was, said by the
+# command that is running (default: "nothing was written")
+state = SimpleNamespace(debug=False, argv=[], kept=None)
 
 
 @contextmanager

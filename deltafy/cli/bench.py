@@ -7,7 +7,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import DeltafyError
-from ._console import console, err_console
+from ._console import console, err_console, state
 from ._options import OFF, OverwriteOpt, check_number, extra_text_paths
 
 
@@ -82,6 +82,7 @@ def bench_command(
         check_number(option, value, minimum=1)
     check_number("--eval-every", eval_every, minimum=1)
     check_number("--lr-extend", lr_extend, minimum=0)
+    state.kept = f"the runs the bench finished (if any) are kept in {out}: continue with the same command plus --resume"
     with _Bar() as bar:
         result = run_bench(
             model,

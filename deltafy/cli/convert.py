@@ -10,7 +10,7 @@ from rich.table import Table
 from ..errors import DeltafyError
 from ..pipeline import Plan, convert_source, plan_source
 from ..recipe import DEFAULT_RECIPE
-from ._console import activity, console, err_console
+from ._console import activity, console, err_console, state
 from ._options import OFF, DType, DTypeOpt, OverwriteOpt, RecipeOpt, check_number
 
 
@@ -102,6 +102,8 @@ def convert_command(
         return
     if out is None:
         raise DeltafyError("missing --out DIR (or pass --dry-run to only show the plan)")
+    # (an interrupt unwinds the save: the folder is renamed into place whole, or not at all)
+    state.kept = f"nothing was written to {out}" + (", which is as it was" if out.exists() else "")
     with activity(err_console) as (status, progress):
         result = convert_source(
             source,
