@@ -53,7 +53,7 @@ def write_checkpoint(folder: Path, size: str, shard_bytes: int) -> int:
     """A random bf16 Llama checkpoint of ``size``'s shape, sharded like save_pretrained's."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from deltafy.shards import INDEX_FILE, write_file
+    from deltafy.sources.shards import INDEX_FILE, write_file
 
     config = LlamaConfig(**SHAPES[size], dtype="bfloat16")
     with torch.device("meta"):
@@ -116,7 +116,7 @@ def main() -> None:
         deltafy = [sys.executable, "-m", "deltafy", "convert", str(src)]
         runs = [
             ("cp -r", ["cp", "-r", str(src), str(work / "copy")], work / "copy"),
-            ("start-up (import deltafy)", [sys.executable, "-c", "import deltafy.pipeline"], work / "none"),
+            ("start-up (import deltafy)", [sys.executable, "-c", "import deltafy.conversion.job"], work / "none"),
             ("convert --no-verify", [*deltafy, "--out", str(work / "a"), "--no-verify"], work / "a"),
             ("convert (self-check)", [*deltafy, "--out", str(work / "b")], work / "b"),
         ]

@@ -26,7 +26,7 @@ import torch
 
 import deltafy
 from deltafy.modeling_deltafy import DeltaSpec
-from deltafy.sources import load_source
+from deltafy.sources.load import load_source
 
 
 def loss_of(model, batch, converted: bool):

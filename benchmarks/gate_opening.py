@@ -23,7 +23,7 @@ import torch
 
 import deltafy
 from deltafy.modeling_deltafy import mean_betas
-from deltafy.sources import load_source
+from deltafy.sources.load import load_source
 
 HELD_OUT = ("hamlet.md", "the-tempest.md")
 

@@ -17,8 +17,8 @@ import copy
 import torch
 
 import deltafy
-from deltafy.sources import load_source
-from deltafy.verify import make_inputs, record_reference, self_check
+from deltafy.conversion.verify import make_inputs, record_reference, self_check
+from deltafy.sources.load import load_source
 
 
 def models(dtype: str):

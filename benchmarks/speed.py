@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 import deltafy
-from deltafy.sources import load_source
+from deltafy.sources.load import load_source
 
 
 def load(name: str, dtype: torch.dtype):

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 import deltafy
-from deltafy.engine import run_training
-from deltafy.pipeline import convert_source
-from deltafy.train import options_from
+from deltafy.conversion.job import convert_source
+from deltafy.options import options_from
+from deltafy.training.job import run_training
 
 HELD_OUT = ("hamlet.md", "the-tempest.md")
 

@@ -24,10 +24,10 @@ _EXPORTS = {
     "save": ".checkpoint",
     "load": ".checkpoint",
     "load_tokenizer": ".checkpoint",
-    "Recipe": ".recipe",
-    "load_recipe": ".recipe",
+    "Recipe": ".options",
+    "load_recipe": ".options",
     "DeltafyError": ".errors",
-    "CheckReport": ".verify",
+    "CheckReport": ".conversion.verify",
 }
 
 

@@ -9,7 +9,7 @@ A *site* is one residual write ``x <- x + scale * h`` inside a decoder layer:
 - ``norm_after``: a norm applied to ``x + h`` before the next site (post-LN only).
 
 Layouts are keyed by ``model_type``; families with several layouts pick one from config fields.
-The self-check in :mod:`deltafy.verify` proves on real activations that a layout's residual
+The self-check in :mod:`deltafy.conversion.verify` proves on real activations that a layout's residual
 algebra holds for the model at hand, so a wrong entry fails loudly instead of converting.
 """
 

@@ -13,7 +13,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .sources import ALIAS_BASE_MODELS
+from .files import BETA_FIGURE, LOSS_FIGURE
+from .sources.load import ALIAS_BASE_MODELS
 
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
 _WINDOWS_ABSOLUTE = re.compile(r"^[A-Za-z]:[\\/]")
@@ -21,8 +22,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 # Captions for the figures deltafy writes; another file is shown under its own name.
 FIGURE_CAPTIONS = {
-    "loss.png": "Training loss per step and held-out loss",
-    "beta.png": "Mean gate β per layer and site",
+    LOSS_FIGURE: "Training loss per step and held-out loss",
+    BETA_FIGURE: "Mean gate β per layer and site",
 }
 
 

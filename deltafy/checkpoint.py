@@ -1,7 +1,7 @@
 """The checkpoint folder: safetensors, a self-contained modeling file, card, recipe, provenance.
 
 Everything is written into a temporary sibling folder and renamed into place at the end
-(deltafy.folders), so an interrupted or failed save never leaves a folder that looks complete.
+(deltafy.sources.folders), so an interrupted or failed save never leaves a folder that looks complete.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import torch
 from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError
-from .folders import _atomic_dir
+from .files import MODELING_FILE, RECIPE_FILE
+from .modeling_deltafy import HEADS_FILE
+from .options import Recipe
 from .placement import AUTO, auto_device_map
-from .recipe import Recipe
-from .sources import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+from .sources.folders import _atomic_dir
+from .sources.load import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
 
 log = logging.getLogger(__name__)
 
-MODELING_FILE = "modeling_deltafy.py"
-HEADS_FILE = modeling_deltafy.HEADS_FILE
 CONFIG_KEYS_DROPPED = ("auto_map", "architectures", "model_type", "deltafy", "transformers_version")
 
 
@@ -140,7 +140,7 @@ def save(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class, bare_model_class))
-        (tmp / "recipe.yaml").write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
+        (tmp / RECIPE_FILE).write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             _drop_tokenizer_auto_map(tmp)
@@ -201,7 +201,7 @@ def base_record(model, base: str | Path | None, out: Path, provenance: dict) -> 
     A Hub model by id and commit; a local folder or .gguf file by its path relative to the
     checkpoint folder (no place on this machine is written down) and the SHA-256 of its weights.
     """
-    from .sources import ALIASES, resolve_alias
+    from .sources.load import ALIASES, resolve_alias
 
     known = model.config.deltafy.get("base")  # a model loaded from a heads-only checkpoint
     if base is None and known is not None:

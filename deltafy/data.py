@@ -2,7 +2,7 @@
 
 Documents are tokenized with the model's tokenizer, joined with EOS between them and cut into
 fixed blocks of ``seq_len`` tokens. The token stream of each input is cached on disk (see
-:mod:`deltafy.cache`), keyed by a hash of the bytes it came from, the tokenizer and every option
+:mod:`deltafy.sources.cache`), keyed by a hash of the bytes it came from, the tokenizer and every option
 that changes the tokens, so a second run starts at once and an edited input is never read stale.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import file_digest, folder_digest, load_tokens, store_tokens
 from .errors import DeltafyError, first_line
+from .sources.cache import file_digest, folder_digest, load_tokens, store_tokens
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

@@ -72,7 +72,7 @@ def load_any(source: str, dtype: str = "auto", device: str | None = None, base: 
     """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id;
     ``base``: where a heads-only checkpoint's base model is, if it moved."""
     from .checkpoint import load, load_tokenizer
-    from .sources import is_deltafy_folder, load_source
+    from .sources.load import is_deltafy_folder, load_source
 
     if is_deltafy_folder(Path(source).expanduser()):  # deltafy's own classes: no code from the folder runs
         model = load(source, dtype=None if dtype == "auto" else dtype, base=base)
@@ -81,7 +81,7 @@ def load_any(source: str, dtype: str = "auto", device: str | None = None, base: 
         if base is not None:
             raise DeltafyError(f"--base applies to a heads-only deltafy checkpoint, and {source} is not a deltafy one")
         # Quiet: load_source warns of a missing tokenizer for conversion's sake; evaluation refuses instead.
-        sources_log = logging.getLogger("deltafy.sources")
+        sources_log = logging.getLogger("deltafy.sources.load")
         level = sources_log.level
         sources_log.setLevel(logging.ERROR)
         try:

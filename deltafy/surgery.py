@@ -18,7 +18,7 @@ from .modeling_deltafy import (
     delta_tensors,
     remove_deltafy,
 )
-from .recipe import Recipe, load_recipe
+from .options import Recipe, load_recipe
 
 
 def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:

@@ -10,7 +10,7 @@ import sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import deltafy
-from deltafy.verify import make_inputs, record_reference, self_check
+from deltafy.conversion.verify import make_inputs, record_reference, self_check
 
 source, out = sys.argv[1], sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")

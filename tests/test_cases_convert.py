@@ -335,7 +335,7 @@ def _large(tokenizer, dest: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     root = tmp_path_factory.mktemp("convert-cases")
     paths = {"stock": str(tiny.stock), "delta": str(tiny.delta), "train": str(tiny.train_txt)}

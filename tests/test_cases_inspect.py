@@ -119,7 +119,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     root = tmp_path_factory.mktemp("inspect-cases")
     convert_source(str(tiny.stock), root / "heads-only", heads_only=True)

@@ -26,10 +26,10 @@ from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free, tiny_model
 from safetensors import safe_open
 
 import deltafy
-from deltafy.checkpoint import MODELING_FILE
-from deltafy.folders import file_mode
+from deltafy.conversion.job import convert_source
+from deltafy.files import MODELING_FILE
 from deltafy.modeling_deltafy import DeltaRead, delta_sites
-from deltafy.pipeline import convert_source
+from deltafy.sources.folders import file_mode
 
 SOURCE_CASES = [
     "llama-tied",
@@ -637,7 +637,7 @@ def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path,
 def test_folder_without_tokenizer_files_gives_no_tokenizer(tmp_path, case):
     # transformers can build a special-tokens-only tokenizer for such a folder; it must not be used
     # for the self-check (it encodes prompts to nothing) nor copied into the checkpoint.
-    from deltafy.sources import load_source
+    from deltafy.sources.load import load_source
 
     tiny_model(case).save_pretrained(tmp_path / "src")
     assert load_source(str(tmp_path / "src")).tokenizer is None

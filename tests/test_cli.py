@@ -21,8 +21,8 @@ from conftest import tiny_config, tiny_model
 
 import deltafy
 from deltafy.architectures import SUPPORTED
-from deltafy.sources import ALIASES, load_source, resolve_alias
-from deltafy.train import TrainOptions
+from deltafy.options import TrainOptions
+from deltafy.sources.load import ALIASES, load_source, resolve_alias
 
 
 def cli_env(extra: dict | None = None) -> dict:
@@ -370,7 +370,7 @@ def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
 
 # -- train's flags: generated from TrainingDefaults -----------------------------------------------------
 def test_train_help_lists_every_training_option(tmp_path):
-    from deltafy.recipe import TrainingDefaults
+    from deltafy.options import TrainingDefaults
 
     proc = cli("train", "--help", cwd=tmp_path, env={"COLUMNS": "400"})  # wide: one line per option
     assert proc.returncode == 0, proc.stderr
@@ -391,9 +391,9 @@ def test_train_help_lists_every_training_option(tmp_path):
 
 
 def test_train_flags_reach_the_options(monkeypatch, tmp_path):
-    import deltafy.engine
+    import deltafy.training.job
     from deltafy.cli import main
-    from deltafy.recipe import load_recipe
+    from deltafy.options import load_recipe
 
     seen = {}
 
@@ -402,7 +402,7 @@ def test_train_flags_reach_the_options(monkeypatch, tmp_path):
         return SimpleNamespace(loss_after=float("nan"), already_finished=False)  # NaN: prints nothing
 
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    monkeypatch.setattr(deltafy.engine, "run_training", fake_run_training)
+    monkeypatch.setattr(deltafy.training.job, "run_training", fake_run_training)
     main(
         ["train", "m", "--data", "a.txt", "b.txt", "--out", str(tmp_path / "o"), "--recipe", "ddl-scalar",
          "--steps", "3", "--seq-len", "32", "--lr", "0.01", "--schedule", "linear", "--train", "heads+lora",

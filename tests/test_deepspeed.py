@@ -20,7 +20,7 @@ from test_fsdp import (  # noqa: F401 (single: the one-process reference fixture
     single,
 )
 
-from deltafy.resume import newest_complete
+from deltafy.training.checkpoints import newest_complete
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 

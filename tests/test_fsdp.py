@@ -16,10 +16,9 @@ import torch
 from _train_helpers import REPO, read_metrics, read_tensors, step_records, subprocess_env
 
 import deltafy
-from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
-from deltafy.recipe import load_recipe
-from deltafy.train import options_from
+from deltafy.options import load_recipe, options_from
+from deltafy.training.job import run_training
 
 HEAD_LR = 0.05  # the heads move the loss within a few steps (as in test_train)
 STEPS = 3
@@ -134,7 +133,7 @@ def test_fsdp_needs_a_distributed_launch(tiny, tmp_path, monkeypatch):
 
 
 def test_fsdp_is_a_flag_not_a_recipe_setting(tiny):
-    from deltafy.recipe import Recipe
+    from deltafy.options import Recipe
 
     assert opts(fsdp=True).fsdp
     with pytest.raises(Exception, match="fsdp"):
@@ -146,7 +145,7 @@ def test_fsdp_is_a_flag_not_a_recipe_setting(tiny):
 
 def two_head_steps(model, ids):
     """Two AdamW steps of the heads alone; the losses and the trained heads."""
-    from deltafy.train import select_trainable
+    from deltafy.training.trainable import select_trainable
 
     model, groups = select_trainable(model, "heads", opts())
     optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in groups])

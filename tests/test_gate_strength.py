@@ -12,7 +12,7 @@ from test_checkpoint import fixed_ids
 
 import deltafy
 from deltafy.modeling_deltafy import DeltaSpec, delta_sites
-from deltafy.recipe import Recipe
+from deltafy.options import Recipe
 
 RECIPE = "ddl-scalar"  # the default recipe
 

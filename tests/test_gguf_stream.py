@@ -1,4 +1,4 @@
-"""A GGUF file's dequantized HF-format copy, written a tensor at a time (deltafy.gguf).
+"""A GGUF file's dequantized HF-format copy, written a tensor at a time (deltafy.sources.gguf).
 
 Checked against what transformers itself gives (``from_pretrained(gguf_file=)`` then
 ``save_pretrained``) on the bundled SmolLM2-135M GGUF: the same tensors to the bit, the same
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from deltafy.errors import DeltafyError
-from deltafy.sources import load_source, resolve_alias, sha256_file
+from deltafy.sources.load import load_source, resolve_alias, sha256_file
 
 # Each child reports its peak RSS (ru_maxrss, KiB on Linux) after its imports and at the end.
 REFERENCE = r"""
@@ -26,7 +26,7 @@ import json, resource, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from deltafy.gguf import clear_quantizer
+from deltafy.sources.gguf import clear_quantizer
 gguf, out = Path(sys.argv[1]), sys.argv[2]
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -40,11 +40,11 @@ print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF)
 # reload from it is not what is measured), with GgufPlan.write wrapped to read the RSS around it.
 STREAMED = r"""
 import json, resource, sys
-import deltafy.gguf, deltafy.sources
-from deltafy.shards import read_header
+import deltafy.sources.gguf, deltafy.sources.load
+from deltafy.sources.shards import read_header
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 report = {"base": rss()}
-write = deltafy.gguf.GgufPlan.write
+write = deltafy.sources.gguf.GgufPlan.write
 def measured(plan, folder, *args):
     report["planned"] = rss()
     write(plan, folder, *args)
@@ -52,14 +52,14 @@ def measured(plan, folder, *args):
     entries, _ = read_header(folder / "model.safetensors")
     report["largest"] = max(e.nbytes for e in entries.values())
     report["nbytes"] = sum(e.nbytes for e in entries.values())
-deltafy.gguf.GgufPlan.write = measured
+deltafy.sources.gguf.GgufPlan.write = measured
 class Cached(Exception):
     pass
 def reload(*args, **kwargs):
     raise Cached
-deltafy.sources._load_pretrained = reload
+deltafy.sources.load._load_pretrained = reload
 try:
-    deltafy.sources.load_source("smollm2-135m", "float32")
+    deltafy.sources.load.load_source("smollm2-135m", "float32")
 except Cached:
     print(json.dumps(report | {"peak": rss()}))
 """
@@ -159,7 +159,7 @@ def test_the_cache_is_complete_and_loads(both, smollm_gguf, monkeypatch):
 
 
 def test_big_copies_are_sharded_like_save_pretrained(monkeypatch):
-    import deltafy.gguf as streamed
+    import deltafy.sources.gguf as streamed
 
     monkeypatch.setattr(streamed, "SHARD_BYTES", 4 * 100)  # 100 fp32 values a shard
     tensors = [(None, "a", (60,)), (None, "b", (40,)), (None, "c", (150,)), (None, "d", (10,))]

@@ -22,8 +22,8 @@ from test_cli import assert_one_line_error
 
 import deltafy
 from deltafy.checkpoint import HEADS_FILE
-from deltafy.folders import file_mode
 from deltafy.modeling_deltafy import delta_sites
+from deltafy.sources.folders import file_mode
 
 CASES = [
     ("llama-untied", "ddl-scalar"),

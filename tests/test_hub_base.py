@@ -238,7 +238,7 @@ def test_cached_base_loads_offline_without_a_request(hub, made, monkeypatch):
 
 
 def test_convert_from_the_hub_pins_the_commit_it_loaded(hub, made, tmp_path):
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     hub.serve(BASE, made.stock, BASE_COMMIT)
     out = convert_source(BASE, tmp_path / "delta", heads_only=True).out  # the Hub resolves main to BASE_COMMIT
@@ -253,7 +253,7 @@ def test_convert_streams_a_hub_model_from_the_cache(hub, made, tmp_path):
     # and hard-linked from there; the checkpoint is the in-memory conversion's, bitwise.
     import os
 
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     hub.serve(BASE, made.stock, BASE_COMMIT)
     hub.repos[BASE].files["pytorch_model.bin"] = b"never fetched"

@@ -1,4 +1,4 @@
-"""Models run from their safetensors files one decoder layer at a time (deltafy.lazy), and the
+"""Models run from their safetensors files one decoder layer at a time (deltafy.conversion.lazy), and the
 self-check built on it (verify.layerwise_self_check): the same logits, bitwise, as the model
 loaded whole, and the same verdicts as the in-memory self-check."""
 
@@ -15,10 +15,8 @@ from safetensors.torch import save_file, save_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deltafy import DeltafyError, convert, load_recipe
-from deltafy.lazy import empty_model, is_head, layer_by_layer, missing_weights, safetensors_weights
-from deltafy.modeling_deltafy import apply_deltafy
-from deltafy.surgery import build_spec
-from deltafy.verify import (
+from deltafy.conversion.lazy import empty_model, is_head, layer_by_layer, missing_weights, safetensors_weights
+from deltafy.conversion.verify import (
     LAYER_BY_LAYER,
     check_site_map,
     layerwise_self_check,
@@ -26,6 +24,8 @@ from deltafy.verify import (
     record_reference,
     self_check,
 )
+from deltafy.modeling_deltafy import apply_deltafy
+from deltafy.surgery import build_spec
 
 # Checkpoints whose keys transformers remaps on load (MoE experts fused into one tensor) are not
 # streamed as they are: those models are checked from a file of their own state dict instead.

@@ -17,7 +17,7 @@ from conftest import DELTAFY_FREE_PREAMBLE, run_deltafy_free
 import deltafy
 from deltafy.errors import DeltafyError
 from deltafy.modeling_deltafy import delta_sites
-from deltafy.sources import load_source, resolve_alias
+from deltafy.sources.load import load_source, resolve_alias
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def smollm(tmp_path_factory):
         resolve_alias("smollm2-135m")
     except DeltafyError as err:
         pytest.fail(f"{err} (see README set-up)")
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     root = tmp_path_factory.mktemp("smollm")
     out = root / "smol-delta"
@@ -145,7 +145,7 @@ def test_smollm2_heads_only_is_small_moves_and_loads_bitwise(smollm, tmp_path):
 def test_smollm2_converts_in_low_precision(tmp_path, dtype):
     """A real model converts in bf16/fp16 as it is: the site map proven and the self-check passed in
     that precision, then the written folder compared once more with the stock model in that dtype."""
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     out = tmp_path / f"smol-{dtype}"
     check = convert_source("smollm2-135m", out, dtype=dtype).check
@@ -177,7 +177,7 @@ def test_smollm2_converts_in_low_precision(tmp_path, dtype):
 def test_random_full_size_gpt2_passes_the_self_check():
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from deltafy.verify import make_inputs, record_reference, self_check
+    from deltafy.conversion.verify import make_inputs, record_reference, self_check
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(GPT2Config()).eval()

@@ -19,12 +19,12 @@ from _train_helpers import read_metrics, read_tensors, run_cli, shared_tokenizer
 from test_cli import assert_one_line_error
 
 import deltafy
-from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
-from deltafy.recipe import load_recipe
-from deltafy.resume import HEADS_FILE, TRAINER_STATE
-from deltafy.runs import LOCK_FILE, RunLock
-from deltafy.train import options_from
+from deltafy.files import LOCK_FILE
+from deltafy.options import load_recipe, options_from
+from deltafy.training.checkpoints import HEADS_FILE, TRAINER_STATE
+from deltafy.training.job import run_training
+from deltafy.training.run_folder import RunLock
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -127,7 +127,11 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tiny, tmp_path
 def test_a_lock_of_a_killed_run_is_free(tiny, tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from deltafy.runs import RunLock; RunLock({str(out)!r}).__enter__(); input()"],
+        [
+            sys.executable,
+            "-c",
+            f"from deltafy.training.run_folder import RunLock; RunLock({str(out)!r}).__enter__(); input()",
+        ],
         stdin=subprocess.PIPE,
         env=subprocess_env(),
     )
@@ -426,7 +430,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tiny, finished, tmp_pa
 
 def test_a_failed_torch_save_is_a_failed_write(tmp_path):
     """torch.save reports a write cut short by a full disk or a size limit without an errno."""
-    from deltafy.resume import write_failure
+    from deltafy.training.checkpoints import write_failure
 
     failure = write_failure(RuntimeError("basic_ios::clear: iostream error"), "checkpoint X", tmp_path)
     assert failure is not None and str(failure).startswith("could not write checkpoint X: the write failed")
@@ -453,7 +457,7 @@ def test_quiet_resume_of_tied_embeddings_with_progress_lines(tmp_path):
     """No FutureWarning, no "missing keys" for the tied lm_head, progress lines on a non-terminal."""
     from _train_helpers import build_stock_model
 
-    from deltafy.pipeline import convert_source
+    from deltafy.conversion.job import convert_source
 
     tokenizer = shared_tokenizer()
     stock = build_stock_model(tokenizer)

@@ -18,9 +18,9 @@ from test_checkpoint import fixed_ids
 from test_cli import assert_one_line_error, cli
 
 import deltafy
-from deltafy.folders import file_mode
-from deltafy.pipeline import convert_source
-from deltafy.shards import INDEX_FILE, read_header, write_file
+from deltafy.conversion.job import convert_source
+from deltafy.sources.folders import file_mode
+from deltafy.sources.shards import INDEX_FILE, read_header, write_file
 
 # Families whose files transformers reads under the names the model has in memory (streamed), in
 # every layout: sequential pre-norm, tied embeddings, post-LN, parallel, a two-norm parallel one.
@@ -220,7 +220,7 @@ def test_failed_self_check_or_interrupt_writes_nothing(tmp_path):
 
 
 def test_not_enough_disk_space_is_one_line_before_any_work(tmp_path, monkeypatch):
-    import deltafy.stream as stream
+    import deltafy.conversion.stream as stream
 
     source = tmp_path / "stock"
     tiny_model("llama-untied").save_pretrained(source)

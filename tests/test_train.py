@@ -1,4 +1,4 @@
-"""`deltafy train` and deltafy.engine.run_training on a tiny llama with a real BPE tokenizer.
+"""`deltafy train` and deltafy.training.job.run_training on a tiny llama with a real BPE tokenizer.
 
 Everything runs for real (transformers Trainer, peft, torch.distributed with gloo); runs are a few
 steps of a 2-layer width-64 model, so each takes about a second on one CPU thread.
@@ -28,12 +28,11 @@ from _train_helpers import (
 from pydantic import ValidationError
 
 import deltafy
-from deltafy.engine import run_training
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
-from deltafy.folders import file_mode
-from deltafy.recipe import load_recipe
-from deltafy.train import TrainOptions, options_from, planned_steps
+from deltafy.options import TrainOptions, load_recipe, options_from
+from deltafy.sources.folders import file_mode
+from deltafy.training.job import planned_steps, run_training
 
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate and strength lr = 0.5)
 
@@ -309,7 +308,7 @@ def test_lora_on_a_module_a_site_wraps_is_refused(case):
     """OPT's fc2 is a residual write: peft would add LoRA's update after the correction saw h."""
     from conftest import tiny_model
 
-    from deltafy.train import select_trainable
+    from deltafy.training.trainable import select_trainable
 
     model = deltafy.convert(tiny_model(case))
     with pytest.raises(DeltafyError, match="'fc2' would bypass the DDL correction of the 'mlp' site") as err:

@@ -69,7 +69,7 @@ def test_every_change_is_seen_through_plain_transformers(checkpoint, tmp_path):
 def test_every_change_is_seen_on_smollm2(tmp_path):
     """The case deltafy 0.1 got wrong by up to 40 in the logits: SmolLM2-135M, gates open (beta
     about 0.04, four times the mean beta of heads trained for 30 steps)."""
-    from deltafy.sources import load_source
+    from deltafy.sources.load import load_source
 
     # the closed gate deltafy 0.1 had, opened by its logit (the default's strength would be 0 here)
     model = deltafy.convert(load_source("smollm2-135m", "float32").model, "ddl-scalar-logit")

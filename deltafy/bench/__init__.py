@@ -79,9 +79,9 @@ def run_bench(
     ``isolate`` runs each training run in a child process, which is how peak RSS is measured on a
     CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
+    from ..conversion.job import guard_source
     from ..data import expand
-    from ..folders import refuse_overlap
-    from ..pipeline import guard_source
+    from ..sources.folders import refuse_overlap
 
     out = Path(out).expanduser()
     names = parse_arms(arms)
@@ -112,7 +112,7 @@ def run_bench(
     isolate = not _cuda() if isolate is None else isolate
 
     from ..interrupts import unwinding
-    from ..runs import RunLock
+    from ..training.run_folder import RunLock
 
     with RunLock(out) as lock:
         if overwrite:
@@ -155,7 +155,7 @@ def run_bench(
 def refuse_shared_text(train_files: list[str], held_files: list[str]) -> None:
     """The held-out text must not be trained on: refuse a file of --eval-data whose bytes are those of a
     file of --data, whatever either is called (a copy under another name, a link)."""
-    from ..sources import sha256_file
+    from ..sources.load import sha256_file
 
     trained = {sha256_file(Path(f)): f for f in train_files if Path(f).is_file()}
     for file in held_files:
@@ -204,7 +204,7 @@ class _Bench:
 
     def options(self, name: str, multiplier: float, heads: float | None, seed: int, validation: bool):
         from ..checkpoint import read_config
-        from ..train import options_from
+        from ..options import options_from
 
         arm, settings = ARMS[name], self.state["settings"]
         steps = settings["steps"]
@@ -312,7 +312,7 @@ class _Bench:
         )
 
     def _validate(self, name: str, multiplier: float, heads: float | None) -> None:
-        from ..engine import NonFiniteLoss
+        from ..training.job import NonFiniteLoss
 
         folder = self.sweep_folder(name, multiplier, heads)
         point = (name, multiplier, heads)
@@ -386,7 +386,7 @@ class _Bench:
         )
 
     def _plot(self, names, records) -> Path:
-        from ..plots import plot_bench
+        from ..training.plots import plot_bench
 
         curves = {}
         for name in names:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import DeltafyError
-from ..recipe import RANK_MAX
+from ..options import RANK_MAX
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,8 @@ class Budgets:
     def per_rank(self) -> int:
         """LoRA parameters per unit of rank on the targets (linear in the rank for every layer peft wraps)."""
         if self._per_rank is None:
-            from ..train import options_from, select_trainable
+            from ..options import options_from
+            from ..training.trainable import select_trainable
 
             model = _load(self.models[ARMS["lora"].recipe])
             options = options_from(None, train="lora", lora_r=1, lora_alpha=1.0, lora_targets=self.lora_targets)
@@ -125,7 +126,7 @@ def _load(folder: Path):
     """A converted model, loaded to be counted: without transformers' loading bar, which would cut
     through the bench's own."""
     from ..checkpoint import load
-    from ..sources import _quiet_transformers, _restore_transformers
+    from ..sources.load import _quiet_transformers, _restore_transformers
 
     previous = _quiet_transformers()
     try:

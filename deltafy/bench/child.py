@@ -15,7 +15,7 @@ from .runs import ERROR_KINDS, train
 def main(job_file: str, answer_file: str) -> None:
     from transformers.utils import logging as hf_logging
 
-    from ..train import TrainOptions
+    from ..options import TrainOptions
 
     hf_logging.disable_progress_bar()  # as the deltafy command does in its own process
     job = json.loads(Path(job_file).read_text())

@@ -17,7 +17,7 @@ FORMAT = 1
 
 def guard(out: Path, resume: bool, overwrite: bool) -> dict | None:
     """The bench saved in ``out`` when resuming, after refusing what would write over the user's files."""
-    from ..runs import holds_files
+    from ..training.run_folder import holds_files
 
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")
@@ -47,7 +47,7 @@ def guard(out: Path, resume: bool, overwrite: bool) -> dict | None:
 
 def converted(source: str, folder: Path, recipe: str, status) -> Path:
     """The starting point of every arm of ``recipe``: converted once, kept for a resume."""
-    from ..pipeline import convert_source
+    from ..conversion.job import convert_source
 
     if not (folder / "config.json").is_file():  # a save is atomic: config.json means complete
         status(f"converting {source} with recipe {recipe}")

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine import NonFiniteLoss
 from ..errors import DeltafyError
-from ..train import METRICS_FILE, TrainOptions, read_metrics, run_summary
+from ..files import METRICS_FILE
+from ..options import TrainOptions
+from ..training.job import NonFiniteLoss
+from ..training.run_folder import read_metrics, run_summary
 
 PEAK_RSS, PEAK_CUDA = "peak RSS", "peak CUDA memory"
 ERROR_KINDS = {"NonFiniteLoss": NonFiniteLoss, "DeltafyError": DeltafyError}  # what a child run may report
@@ -85,7 +87,7 @@ def _stop(proc, grace: float = 60.0) -> None:
 
 
 def train(model_dir, data, out, options, eval_data) -> dict:
-    from ..engine import run_training
+    from ..training.job import run_training
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -125,7 +127,7 @@ def keep_only_the_record(folder: Path) -> None:
     merges into it) is dropped, its metrics and run record kept."""
     import shutil
 
-    from ..train import METRICS_FILE, RECORD_FILE, STATE_DIR
+    from ..files import METRICS_FILE, RECORD_FILE, STATE_DIR
 
     for path in folder.iterdir():
         if path.name == STATE_DIR:

@@ -37,8 +37,7 @@ def check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite) -> list
 
 def options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field):
     """Every value the runs take, checked before any work (each bad one named as its flag)."""
-    from ..recipe import load_recipe
-    from ..train import options_from
+    from ..options import load_recipe, options_from
 
     base = load_recipe(recipes[0]).training.model_dump()
     options_from(
@@ -60,7 +59,7 @@ def data_fingerprints(model_dir: Path, data, eval_data, seq_len: int, text_field
     to train, validate or report on before any run starts."""
     from ..checkpoint import load_tokenizer
     from ..data import fingerprint, pack, split_held_out, token_stream
-    from ..recipe import TrainingDefaults
+    from ..options import TrainingDefaults
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:

@@ -23,7 +23,7 @@ def _say(line: str) -> None:
 
 
 def _where() -> str:
-    from ..sources import cache_dir
+    from ..sources.load import cache_dir
 
     how = "set by DELTAFY_CACHE" if os.environ.get("DELTAFY_CACHE") else "set DELTAFY_CACHE to move it"
     missing = "" if cache_dir().exists() else "; it does not exist yet"
@@ -47,8 +47,8 @@ def info_command(
       deltafy cache info
       DELTAFY_CACHE=/scratch/deltafy deltafy cache info --json
     """
-    from ..cache import cache_info, human_size, token_entries
-    from ..sources import cache_dir
+    from ..sources.cache import cache_info, human_size, token_entries
+    from ..sources.load import cache_dir
 
     kinds, entries = cache_info(), token_entries()
     if json_out:
@@ -93,8 +93,8 @@ def clear_command(
       deltafy cache clear
       deltafy cache clear --all
     """
-    from ..cache import clear_cache, human_size
-    from ..sources import cache_dir
+    from ..sources.cache import clear_cache, human_size
+    from ..sources.load import cache_dir
 
     if not cache_dir().exists():
         _say(f"nothing to clear: {cache_dir()} does not exist")

@@ -7,9 +7,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..conversion.job import Plan, convert_source, plan_source
 from ..errors import DeltafyError
-from ..pipeline import Plan, convert_source, plan_source
-from ..recipe import DEFAULT_RECIPE
+from ..options import DEFAULT_RECIPE
 from ._console import activity, console, err_console, state
 from ._options import OFF, DType, DTypeOpt, OverwriteOpt, RecipeOpt, check_number
 

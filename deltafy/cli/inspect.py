@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
+from ..conversion.verify import make_inputs
 from ..modeling_deltafy import mean_betas
-from ..verify import make_inputs
 from ._console import console
 from ._options import OFF, BaseOpt
 
@@ -87,7 +87,7 @@ def inspect_command(
     """
     from ..data import expand
     from ..errors import DeltafyError
-    from ..plots import check_format, plot_betas
+    from ..training.plots import check_format, plot_betas
 
     # Everything the user can get wrong is refused before the model loads.
     if plot is not None:

@@ -1,7 +1,7 @@
 from rich.markup import escape
 from rich.table import Table
 
-from ..recipe import DEFAULT_RECIPE, bundled_recipes, load_recipe
+from ..options import DEFAULT_RECIPE, bundled_recipes, load_recipe
 from ._console import console
 
 

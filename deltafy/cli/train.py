@@ -6,8 +6,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..recipe import TrainingDefaults, load_recipe
-from ..train import LaunchOptions
+from ..options import LaunchOptions, TrainingDefaults, load_recipe
 from ._console import console, err_console, spinner_status
 from ._options import OFF, BaseOpt, OverwriteOpt, extra_text_paths, with_model_options
 
@@ -77,8 +76,8 @@ def train_command(
       torchrun --nproc_per_node 8 -m deltafy train ./big-delta --data corpus/ --out ./run3 --fsdp
       deltafy train ./smol-delta --data corpus/ --out ./run1 --resume
     """
-    from ..engine import run_training
-    from ..train import options_from
+    from ..options import options_from
+    from ..training.job import run_training
 
     extra_data, extra_eval = extra_text_paths(ctx)  # `--data corpus/*.txt`: one flag, many paths
     data = list(data) + extra_data

@@ -5,12 +5,14 @@ non-finite loss or a signal (at a step boundary, so the step is saved whole)."""
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from pathlib import Path
 
-from .runs import Stop
-from .train import append_metrics
+import torch
+
+from .run_folder import append_metrics
 
 
 def to_stderr(message: str) -> None:
@@ -86,3 +88,49 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
                 self.progress = None
 
     return Monitor()
+
+
+class Stop:
+    """SIGINT and SIGTERM during training: the first asks the run to save and stop at the next step
+    boundary, a second aborts at once. Outside training both abort at once (nothing to save).
+
+    In a distributed run every rank stops at the same step: the ranks agree on the flag each step,
+    since a rank that left the loop alone would leave the others waiting in a collective forever.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.training = False
+        self.previous = {}
+
+    def __enter__(self) -> Stop:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: signals stay Python's
+                break
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if not self.training or self.signal is not None:
+            from ..interrupts import note
+
+            note(signum)
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def requested(self) -> bool:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.signal is not None
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([0 if self.signal is None else self.signal], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal is None:
+            self.signal = int(flag.item())
+        return bool(flag.item())

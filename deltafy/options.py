@@ -1,4 +1,5 @@
-"""Recipes: one validated options model that drives conversion (and training defaults).
+"""The options models: a recipe (what a conversion builds, and its training defaults) and the
+settings of a training run. Every flag of ``deltafy convert``/``train`` is a field here.
 
 A recipe is a YAML file. Bundled recipes are referred to by name (``deltafy recipes`` lists
 them); any other value of ``--recipe`` is read as a path.
@@ -32,6 +33,7 @@ SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
 # Two d x r matrices per site: past d (at most 16384 in today's decoders) a full d x d head is smaller.
 RANK_MAX = 16384
 CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the stream's activations
+Mode = Literal["heads", "heads+lora", "lora", "all"]  # what a training run trains
 
 
 class TrainingDefaults(BaseModel):
@@ -61,7 +63,7 @@ class TrainingDefaults(BaseModel):
     lora_lr: PositiveFloat = Field(2e-4, description="learning rate of LoRA adapters and of train: all")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
-    train: Literal["heads", "heads+lora", "lora", "all"] = Field("heads", description="what trains")
+    train: Mode = Field("heads", description="what trains")
     lora_r: PositiveInt = Field(8, le=RANK_MAX, description="LoRA rank")
     lora_alpha: PositiveFloat = Field(16.0, description="LoRA alpha; adapter updates are scaled by alpha / r")
     lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
@@ -196,3 +198,42 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise DeltafyError(f"could not read recipe {path}: {first_line(err)}") from err
     return recipe_from_dict(data, origin=f"recipe {path}")
+
+
+# -- a training run -------------------------------------------------------------------------------
+
+
+class LaunchOptions(BaseModel):
+    """How a run is spread over processes and devices: not a recipe's business (the same recipe
+    trains on one GPU or on sixteen), so these are flags only, never in a ``training:`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fsdp: bool = Field(
+        False,
+        description="shard the model (frozen base, heads, LoRA) over the processes of a torchrun / accelerate "
+        "launch with FSDP2, one unit per decoder layer, instead of a full copy on each (DDP)",
+    )
+
+
+class TrainOptions(TrainingDefaults, LaunchOptions):
+    """Every ``deltafy train`` setting: the recipe's training defaults plus the launch options."""
+
+
+def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
+    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's).
+
+    Every bad value is reported at once, named where the user can fix it: ``--seq-len`` for a
+    flag, ``training.seq_len`` for the recipe's section.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        return TrainOptions.model_validate({**(recipe_training or {}), **given})
+    except ValidationError as err:
+
+        def where(loc: tuple) -> str:
+            if loc and loc[0] in given:
+                return "--" + str(loc[0]).replace("_", "-")
+            return ".".join(map(str, ("training", *loc)))
+
+        raise DeltafyError(f"invalid training options: {format_validation(err, where)}") from err

@@ -3,39 +3,74 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import DeltafyError
+from ..errors import DeltafyError
+from ..files import ADAPTER_DIR, METRICS_FILE, STATE_DIR
+from ..options import TrainOptions
+from .checkpoints import atomic_trainer, newest_complete, set_aside, step_of, write_failure
+from .monitor import Stop, monitor, to_stderr
 from .plots import write_training_figures
-from .progress import monitor, to_stderr
-from .resume import atomic_trainer, newest_complete, set_aside, step_of, write_failure
-from .runs import RunLock, Stop, clear_run_state, guard_out, remove_leftovers
-from .sharding import check_launch, fsdp_arguments, gather_trained, is_sharded, rebuild, sharded_trainer
-from .train import (
-    METRICS_FILE,
-    STATE_DIR,
-    TrainOptions,
-    TrainResult,
+from .run_folder import (
+    RunLock,
     append_metrics,
-    check_seq_len,
+    clear_run_state,
     compare_records,
-    is_main_process,
-    per_layer,
-    planned_steps,
+    guard_out,
     read_metrics,
     read_record,
+    remove_leftovers,
     run_record,
     run_summary,
-    select_trainable,
-    site_betas,
-    unwrap_lora,
     write_record,
 )
+from .sharding import check_launch, fsdp_arguments, gather_trained, is_sharded, rebuild, sharded_trainer
+from .trainable import per_layer, select_trainable, site_betas, unwrap_lora
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    loss_before: float
+    loss_after: float
+    seconds_per_step: float
+    trainable_params: int
+    mean_beta_per_layer: list[float] = field(default_factory=list)
+    out: Path | None = None
+    already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def planned_steps(options: TrainOptions, world_size: int) -> int:
+    if options.steps:
+        return options.steps
+    if options.tokens:
+        per_step = options.seq_len * options.batch_size * options.grad_accum * world_size
+        return max(1, math.ceil(options.tokens / per_step))
+    return 200
+
+
+def check_seq_len(config: dict, seq_len: int) -> None:
+    """A block longer than the model's positions: GPT-2 would fail with an IndexError mid-run, a
+    rotary model would train silently on positions it never saw."""
+    from ..evaluate import position_limit
+
+    found = position_limit(config)
+    if found is not None and seq_len > found[1]:
+        key, limit = found
+        raise DeltafyError(
+            f"--seq-len {seq_len} is longer than the model's {limit} positions ({key}); pass --seq-len {limit} or less"
+        )
 
 
 class _Blocks(torch.utils.data.Dataset):
@@ -71,7 +106,7 @@ def run_training(
     ``notice`` the lines the user should keep (what a resume changed or skipped). ``heads_only``
     saves a delta checkpoint over ``model_dir``'s base (which must be one itself); ``base`` is where
     a heads-only input's base is when it moved (checked against the hashes it recorded)."""
-    from .checkpoint import read_config
+    from ..checkpoint import read_config
 
     out = Path(out).expanduser()
     reads, bases = _read_by(model_dir, data, eval_data, base)
@@ -108,7 +143,7 @@ def _read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=
     """What a run reads besides ``model_dir``, which its --out must not destroy: its local text, and
     the local base a heads-only input loads (``base`` where it moved; where a heads-only output would
     point too)."""
-    from .checkpoint import read_config
+    from ..checkpoint import read_config
 
     texts = [("the training data", Path(d)) for d in data] + [("the held-out data", Path(d)) for d in eval_data or ()]
     reads = [(what, path) for what, path in texts if path.expanduser().exists()]
@@ -196,9 +231,9 @@ def _train(
 ):
     from transformers import TrainingArguments, get_scheduler
 
-    from .checkpoint import load, load_tokenizer, save
-    from .data import fingerprint, pack, split_held_out, token_stream
-    from .evaluate import evaluate
+    from ..checkpoint import load, load_tokenizer, save
+    from ..data import fingerprint, pack, split_held_out, token_stream
+    from ..evaluate import evaluate
 
     state_dir = out / STATE_DIR
     main = is_main_process()
@@ -388,7 +423,7 @@ def _train(
             "loss_after": result.loss_after,
         }
         try:
-            model = unwrap_lora(trained, options.merge_lora, out / "lora-adapter")
+            model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
             provenance = model.config.deltafy.get("provenance")
             save(
                 model,

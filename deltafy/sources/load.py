@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .architectures import layout_for
-from .errors import DeltafyError
+from ..architectures import layout_for
+from ..errors import DeltafyError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 def sha256_file(path: Path) -> str:
     # The checkpoint's own code hashes a heads-only checkpoint's base the same way: one implementation.
-    from .modeling_deltafy import sha256_files
+    from ..modeling_deltafy import sha256_files
 
     return sha256_files([Path(path)])[Path(path).name]
 
@@ -275,7 +275,7 @@ def _read_gguf(path: Path, what):
 
 def gguf_cache(path: Path) -> tuple[Path | None, str]:
     """deltafy's HF-format copy of a .gguf file (dequantized, fp32; made on first use) and the file's
-    SHA-256. The copy is written a tensor at a time (deltafy.gguf) where the architecture allows, so
+    SHA-256. The copy is written a tensor at a time (deltafy.sources.gguf) where the architecture allows, so
     making it costs one tensor of memory; otherwise transformers dequantizes the whole model and
     saves it. None for the folder when it cannot be written (a full disk): dequantize in memory."""
 

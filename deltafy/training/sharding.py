@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .errors import DeltafyError
+from ..errors import DeltafyError
 
 
 def launched_distributed() -> bool:
@@ -87,8 +87,8 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], base=None
     """The model as trained, unsharded: the input loaded again (the frozen base exactly as it is
     on disk; a heads-only input's from ``base`` where it moved), wrapped like the trained one (LoRA),
     with the trained tensors put in."""
-    from .checkpoint import load
-    from .train import select_trainable
+    from ..checkpoint import load
+    from .trainable import select_trainable
 
     _leave_zero3()
     model = load(model_dir, dtype=torch.float32, base=base)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import DeltafyError
-from .sources import cache_dir, sha256_file
+from ..errors import DeltafyError
+from .load import cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import save
-from .errors import DeltafyError
-from .folders import check_output_dir, refuse_overlap
-from .recipe import Recipe, load_recipe
-from .sources import (
+from ..checkpoint import save
+from ..errors import DeltafyError
+from ..options import Recipe, load_recipe
+from ..sources.folders import check_output_dir, refuse_overlap
+from ..sources.load import (
     ALIASES,
     Source,
     download_snapshot,
@@ -23,8 +23,8 @@ from .sources import (
     load_source,
     refuse_deltafy_folder,
 )
+from ..surgery import convert, summarize
 from .stream import StreamPlan, check_space, plan_stream, write_tensors
-from .surgery import convert, summarize
 from .verify import CheckReport, make_inputs, record_reference, self_check
 
 LAYERWISE_ABOVE = 2 << 30  # bytes of weights above which the self-check reads one decoder layer at a time
@@ -108,7 +108,7 @@ def convert_source(
     rounding (verify.logit_tolerance). ``heads_only`` writes only the new heads, with ``source``
     pinned as the base they load onto.
 
-    A folder of safetensors files is converted without loading the model (deltafy.stream), and so
+    A folder of safetensors files is converted without loading the model (deltafy.conversion.stream), and so
     are a Hub model (fetched into the HF cache) and a .gguf file or alias (through deltafy's cached
     HF-format copy of it): the shards are linked or copied into ``out`` beside a shard of heads
     (families whose files transformers remaps on load are loaded whole). The self-check runs on
@@ -179,7 +179,7 @@ def guard_source(source: str, out: Path, heads_only: bool) -> None:
     """Refuse an ``out`` that is, or holds, what converting ``source`` reads: the source itself (a
     folder, a .gguf file, an alias's file) and deltafy's dequantized copies of GGUF files (nor may it
     lie inside those); with ``heads_only``, nor inside the source, which the output loads as its base."""
-    from .sources import cache_dir, resolve_alias
+    from ..sources.load import cache_dir, resolve_alias
 
     path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
     source_read = [("the source", path)] if path.exists() else []
@@ -204,7 +204,7 @@ def _passed(check: CheckReport) -> CheckReport:
 def _convert_streaming(
     plan: StreamPlan, source, out, verify, overwrite, tolerance, status, progress, heads_only, layerwise
 ) -> ConversionResult:
-    from .shards import INDEX_FILE
+    from ..sources.shards import INDEX_FILE
 
     layerwise = bool(layerwise) or plan.nbytes > LAYERWISE_ABOVE
     report = progress or (lambda what, advance, total: None)
@@ -259,8 +259,8 @@ def _check_written(plan: StreamPlan, folder: Path, tolerance: float) -> CheckRep
     its outputs recorded and dropped, then the written folder loaded the way its users will load it."""
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import load
-    from .sources import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+    from ..checkpoint import load
+    from ..sources.load import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
 
     dtype = plan.model.dtype
     previous = _quiet_transformers()

@@ -1,25 +1,21 @@
 """A training run's hold on ``--out``: the guard on the folder, its lock, and the signals that stop
-a run at a step it can resume from (the checkpoints themselves: deltafy.resume)."""
+a run at a step it can resume from (the checkpoints themselves: deltafy.training.checkpoints)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import errno
+import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 from pathlib import Path
 
-import torch
-
-from .errors import DeltafyError
-from .resume import STAGING_DIR
-from .train import RECORD_FILE
-
-LOCK_FILE = ".deltafy-lock"
+from ..errors import DeltafyError
+from ..files import ADAPTER_DIR, LOCK_FILE, METRICS_FILE, RECORD_FILE, STAGING_DIR
+from ..options import TrainOptions
 
 # -- the --out folder --------------------------------------------------------------------------
 
@@ -30,7 +26,7 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
     (``reads``: its data, a base; ``within``: the base a heads-only output loads, which ``--out`` may
     not lie inside either); without --resume or --overwrite, one that holds files; with --overwrite,
     one that deltafy did not write."""
-    from .folders import check_writable, is_output, refuse_overlap
+    from ..sources.folders import check_writable, is_output, refuse_overlap
 
     refuse_overlap(out, [("the input model folder", Path(model_dir)), *reads], within)
     if out.exists() and not out.is_dir():
@@ -58,14 +54,14 @@ def clear_run_state(out: Path, state_dir: Path, metrics: Path) -> None:
     """What ``--overwrite`` replaces: a previous run's checkpoints, record, metrics and adapter, so
     a later ``--resume`` can never pick up a checkpoint of the run that was overwritten."""
     shutil.rmtree(state_dir, ignore_errors=True)
-    shutil.rmtree(out / "lora-adapter", ignore_errors=True)
+    shutil.rmtree(out / ADAPTER_DIR, ignore_errors=True)
     metrics.unlink(missing_ok=True)
 
 
 def remove_leftovers(out: Path, state_dir: Path, notice) -> None:
     """Half-written folders of killed runs on this ``--out`` (under its lock, so none is in use): a
     checkpoint's staging folder, and what a killed save left beside ``--out`` (clear_leftovers)."""
-    from .folders import clear_leftovers
+    from ..sources.folders import clear_leftovers
 
     staging = state_dir / STAGING_DIR
     if staging.is_dir() and any(staging.iterdir()):
@@ -165,50 +161,109 @@ def _read_holder(path: Path) -> str:
         return "it has not said which yet"
 
 
-# -- signals --------------------------------------------------------------------------------------
+# -- metrics.jsonl -------------------------------------------------------------------------------
 
 
-class Stop:
-    """SIGINT and SIGTERM during training: the first asks the run to save and stop at the next step
-    boundary, a second aborts at once. Outside training both abort at once (nothing to save).
+def append_metrics(out: Path, record: dict) -> None:
+    with open(out / METRICS_FILE, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
 
-    In a distributed run every rank stops at the same step: the ranks agree on the flag each step,
-    since a rank that left the loop alone would leave the others waiting in a collective forever.
-    """
 
-    def __init__(self):
-        self.signal: int | None = None
-        self.training = False
-        self.previous = {}
+def read_metrics(metrics_file: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (as append_metrics wrote them)."""
+    records = []
+    try:
+        lines = Path(metrics_file).read_text().splitlines()
+    except OSError as err:
+        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run: the others still count
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
-    def __enter__(self) -> Stop:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self.previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: signals stay Python's
-                break
-        return self
 
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+def run_summary(records: list[dict]) -> dict:
+    """The last summary record (held-out loss before and after, mean beta per layer), or {}."""
+    return next((r for r in reversed(records) if r.get("event") == "summary"), {})
 
-    def _handle(self, signum, frame):
-        if not self.training or self.signal is not None:
-            from .interrupts import note
 
-            note(signum)
-            raise KeyboardInterrupt
-        self.signal = signum
+# -- the run record -------------------------------------------------------------------------------
 
-    def requested(self) -> bool:
-        import torch.distributed as dist
+# Settings a resumed run may change: they decide how long it runs and how often it reports or
+# saves, not what a step computes. Every other recorded field must match the saved run.
+CHANGEABLE = ("steps", "tokens", "eval_every", "save_every", "max_eval_blocks", "gradient_checkpointing", "merge_lora")
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signal is not None
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([0 if self.signal is None else self.signal], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal is None:
-            self.signal = int(flag.item())
-        return bool(flag.item())
+
+def model_identity(model_dir: str) -> str:
+    """A cheap identity of a checkpoint folder: config.json's bytes (a conversion or a training run
+    writes its provenance, with a timestamp, there) plus each weight file's size and safetensors
+    header (names, dtypes, shapes, offsets). A full content hash would read every weight on every
+    start and resume, minutes for a large model, to catch only a rewrite that kept config.json."""
+    folder = Path(model_dir).expanduser()
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            digest.update(f"{file.name}:{file.stat().st_size}:".encode() + fh.read(min(length, 100_000_000)))
+    return digest.hexdigest()[:24]
+
+
+def run_record(model_dir: str, spec: dict, options, data: list[str], eval_data, data_fp: str, eval_fp) -> dict:
+    recipe = {k: v for k, v in spec.get("recipe", {}).items() if k != "training"}  # its training: section is below
+    return {
+        "model": model_identity(model_dir),
+        "model_dir": str(model_dir),
+        "recipe": recipe,
+        "data": data_fp,
+        "data_sources": list(data),
+        "eval_data": eval_fp,
+        "eval_sources": list(eval_data or []),
+        "options": options.model_dump(mode="json"),
+    }
+
+
+def read_record(state_dir: Path) -> dict | None:
+    try:
+        return json.loads((state_dir / RECORD_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise DeltafyError(f"could not read {state_dir / RECORD_FILE}: {err}; the run cannot be checked") from err
+
+
+def write_record(state_dir: Path, record: dict) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".{RECORD_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, state_dir / RECORD_FILE)
+
+
+def compare_records(old: dict, new: dict, out: Path) -> list[str]:
+    """Refuse a resume whose run is not the saved one; return what legitimately changed."""
+    refused, changed = [], []
+    if old["model"] != new["model"]:
+        refused.append(f"model {old['model_dir']} → {new['model_dir']} (a different checkpoint)")
+    if old["recipe"] != new["recipe"]:
+        refused.append("conversion recipe")
+    for key, sources in (("data", "data_sources"), ("eval_data", "eval_sources")):
+        if old[key] != new[key]:
+            before, after = ", ".join(old[sources]) or "none", ", ".join(new[sources]) or "none"
+            what = f"{before} → {after}" if before != after else "the same inputs now hold different text"
+            refused.append(f"--{key.replace('_', '-')} {what}")
+    for key in sorted(set(old["options"]) | set(new["options"])):
+        # A setting newer than the saved run's deltafy: that run had its default.
+        default = TrainOptions.model_fields[key].default if key in TrainOptions.model_fields else None
+        a, b = old["options"].get(key, default), new["options"].get(key, default)
+        if a != b:
+            (changed if key in CHANGEABLE else refused).append(f"--{key.replace('_', '-')} {a} → {b}")
+    if refused:
+        raise DeltafyError(
+            f"cannot resume {out}: the run was started with other settings ({'; '.join(refused)}); rerun with "
+            f"the original settings, or start a new run in another --out"
+        )
+    return changed

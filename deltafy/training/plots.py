@@ -12,15 +12,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import DeltafyError
-from .train import METRICS_FILE, read_metrics, run_summary
+from ..errors import DeltafyError
+from ..files import BETA_FIGURE, LOSS_FIGURE, METRICS_FILE
+from .run_folder import read_metrics, run_summary
 
 log = logging.getLogger(__name__)
 
 FIGURE_SIZE = (8.0, 4.5)  # inches; at DPI a 960×540 image, readable on a model page
 DPI = 120
 FORMATS = (".png", ".svg", ".pdf")
-LOSS_FIGURE, BETA_FIGURE = "loss.png", "beta.png"
 
 
 def betas_by_site(betas: Mapping) -> dict[str, list[float]]:

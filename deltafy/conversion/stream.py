@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import head_tensors
-from .errors import DeltafyError
-from .folders import size
-from .recipe import Recipe
-from .shards import INDEX_FILE, Entry, read_header, read_tensor, weight_files, write_file
-from .sources import NO_REMOTE_CODE, _dtype, load_config, local_provenance, source_tokenizer
-from .surgery import convert
+from ..checkpoint import head_tensors
+from ..errors import DeltafyError
+from ..options import Recipe
+from ..sources.folders import size
+from ..sources.load import NO_REMOTE_CODE, _dtype, load_config, local_provenance, source_tokenizer
+from ..sources.shards import INDEX_FILE, Entry, read_header, read_tensor, weight_files, write_file
+from ..surgery import convert
 
 CHUNK = 16 << 20  # bytes per read when a shard is copied rather than linked
 LINK_FAILURES = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.EOPNOTSUPP)

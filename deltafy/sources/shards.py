@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DeltafyError
+from ..errors import DeltafyError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -21,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import MODELING_FILE, read_config
+from .checkpoint import read_config
 from .errors import DeltafyError
+from .files import LOCK_FILE, MODELING_FILE, STATE_DIR
 from .modeling_deltafy import HEADS_FILE  # the weights of a heads-only (delta) folder
 
-LOCK_PATTERNS = [".deltafy-lock", "*/.deltafy-lock", "*.lock"]
-TRAINING_PATTERNS = ["training", "training/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]
+LOCK_PATTERNS = [LOCK_FILE, f"*/{LOCK_FILE}", "*.lock"]
+TRAINING_PATTERNS = [STATE_DIR, f"{STATE_DIR}/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]
 _BINARY_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")  # not searched for tokens (a .safetensors' header is)
 # huggingface_hub's access tokens: "hf_" and 34 letters and digits; 30 or more catches a clipped one too.
 _TOKEN_SHAPE = re.compile(rb"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")

@@ -14,56 +14,22 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from contextlib import contextmanager
-from fnmatch import fnmatch
 from pathlib import Path
 
-from . import interrupts
-from .errors import DeltafyError, first_line
-from .modeling_deltafy import HEADS_FILE
+from .. import interrupts
+from ..errors import DeltafyError, first_line
+from ..files import LOCK_FILE, RECORD_FILE, STATE_DIR, owned
+from ..modeling_deltafy import HEADS_FILE
 
 log = logging.getLogger(__name__)
-
-# What deltafy writes into a checkpoint folder or a training run's --out: all that --overwrite may
-# replace there. Anything else in the folder (the user's notes, data) is kept where it is.
-OWN_FILES = (
-    "config.json",
-    "generation_config.json",
-    "modeling_deltafy*.py",  # (0.1 also wrote modeling_deltafy_inference.py and _native.py)
-    "recipe.yaml",
-    "README.md",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    HEADS_FILE,
-    # the tokenizer, as save_pretrained writes it
-    "tokenizer*.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.j*",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "*.model",
-    "*.tiktoken",
-    # a training run's state and report
-    "training",
-    "metrics.jsonl",
-    "lora-adapter",
-    "loss.png",
-    "beta.png",
-    ".deltafy-lock",
-)
-
-
-def owned(name: str) -> bool:
-    return any(fnmatch(name, pattern) for pattern in OWN_FILES)
 
 
 def is_output(folder: Path) -> bool:
     """Whether ``folder`` is something deltafy wrote: a checkpoint (its config.json says deltafy), or
     a training run's --out (its run record), finished or not."""
-    from .sources import is_deltafy_folder
+    from .load import is_deltafy_folder
 
-    return is_deltafy_folder(folder) or (folder / "training" / "run.json").is_file()
+    return is_deltafy_folder(folder) or (folder / STATE_DIR / RECORD_FILE).is_file()
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:
@@ -71,7 +37,7 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
     clear_leftovers(out)
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"{out} exists and is not a folder; choose another --out")
-    if out.is_dir() and any(p.name != ".deltafy-lock" for p in out.iterdir()):
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
         if not overwrite:
             raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
         if not is_output(out):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import DeltafyError
-from .folders import readable
-from .modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
+from ..errors import DeltafyError
+from ..modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
+from ..sources.folders import readable
 
 STAGING_DIR = ".saving"  # inside STATE_DIR: checkpoints are written here, then renamed into place
 KEEP_CHECKPOINTS = 2
@@ -100,7 +100,7 @@ def publish(staged: Path, final: Path) -> None:
 
 def write_failure(err: BaseException, what: str, state_dir: Path, need: int | None = None) -> DeltafyError | None:
     """One line for a failed write (a full disk, a file-size limit), naming what is still usable."""
-    from .folders import write_error
+    from ..sources.folders import write_error
 
     reason = write_error(err, state_dir, need)
     if reason is None:

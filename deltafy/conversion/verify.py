@@ -12,7 +12,7 @@ Two proofs run on real activations:
 
 Both compare in the model's own dtype: fp32, bf16 and fp16 checkpoints convert as they are.
 ``layerwise_self_check`` runs the same proofs on a model too big to load, one decoder layer in
-memory at a time (deltafy.lazy), all but greedy generation, which would read the whole model once
+memory at a time (deltafy.conversion.lazy), all but greedy generation, which would read the whole model once
 per token.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from .errors import DeltafyError, first_line
-from .modeling_deltafy import _first_tensor, _stash, apply_deltafy, disabled
+from ..errors import DeltafyError, first_line
+from ..modeling_deltafy import _first_tensor, _stash, apply_deltafy, disabled
 
 PROMPTS = (
     "The capital of France is",
@@ -72,7 +72,7 @@ class CheckReport:
 
 def make_inputs(model: nn.Module, tokenizer=None, prompts=PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """A small left-padded batch: real prompts when a tokenizer is at hand, random ids otherwise.
-    On the model's device, or the CPU for a model on the meta device (run by deltafy.lazy)."""
+    On the model's device, or the CPU for a model on the meta device (run by deltafy.conversion.lazy)."""
     device = next(model.parameters()).device
     if device.type == "meta":
         device = torch.device("cpu")
@@ -120,7 +120,7 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
 
     Returns the logits (fp32) of the forward that proved it: the model's logits as converted. Only
     tensors recorded during that forward are read afterwards, never a module, so a model run one
-    layer at a time (deltafy.lazy) is proved the same way."""
+    layer at a time (deltafy.conversion.lazy) is proved the same way."""
     spec = model.config.deltafy
     layers = model.get_submodule(spec["layers"])
     seen: dict[tuple[int, str], list] = {}
@@ -303,7 +303,7 @@ def layerwise_self_check(
 
     ``config``: the stock model's transformers config; ``spec``: the converted config's ``deltafy``
     section; ``heads``: the DDL heads' tensors by state-dict name, as the converted model holds
-    them; ``weights``: the original's tensors on disk (see deltafy.lazy.layer_by_layer); ``dtype``:
+    them; ``weights``: the original's tensors on disk (see deltafy.conversion.lazy.layer_by_layer); ``dtype``:
     the one to check in (default the config's). The stock model's logits are recorded, the heads
     attached, then the site map, β = 0 bitwise and max |Δlogits| at the init gate are proved as in
     memory. Greedy generation is not compared (it would read the whole model once per token): the

@@ -5,7 +5,7 @@ makes each decoder layer (and each of the input and output embeddings) real only
 forward pre-hook reads its tensors from the files, a forward hook puts them back on meta. A forward
 then costs one read of the checkpoint and the memory of its largest layer plus the activations,
 whatever the model's size: enough for the self-check of a model that does not fit in memory
-(deltafy.verify.layerwise_self_check).
+(deltafy.conversion.verify.layerwise_self_check).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import DeltafyError
+from ..errors import DeltafyError
 
 # state-dict name -> (safetensors file, the tensor's key in that file)
 Weights = Mapping[str, tuple[Path, str]]
@@ -116,7 +116,7 @@ def _layer_path(model: nn.Module) -> str:
     spec = getattr(model.config, "deltafy", None)
     if spec:
         return spec["layers"]
-    from .architectures import layout_for
+    from ..architectures import layout_for
 
     return layout_for(model.config).layers
 

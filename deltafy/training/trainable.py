@@ -1,0 +1,114 @@
+"""Which parameters of a converted model train: its DDL heads (with the gate's own learning rate),
+LoRA adapters from peft, or everything; and the plain model back after LoRA training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import DeltafyError, first_line
+from ..modeling_deltafy import mean_betas
+from ..options import Mode, TrainOptions
+from ..sources.folders import readable
+
+
+def select_trainable(model, mode: Mode, options: TrainOptions):
+    """Freeze what must not train; wrap in LoRA when asked. Returns (model, optimizer groups)."""
+    from ..options import Recipe
+    from ..surgery import head_parameter_groups
+
+    recipe = Recipe.model_validate(model.config.deltafy["recipe"]).model_copy(update={"training": options})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    groups = []
+    if mode in ("heads+lora", "lora"):
+        model = _with_lora(model, options)
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        groups.append({"params": lora, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "lora"})
+    if mode in ("heads", "heads+lora", "all"):
+        head_groups = head_parameter_groups(model, recipe)
+        groups += head_groups
+    if mode == "all":
+        heads = {id(p) for g in groups for p in g["params"]}
+        base = [p for p in model.parameters() if id(p) not in heads]
+        groups.append({"params": base, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "base"})
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    return model, [g for g in groups if g["params"]]
+
+
+def _with_lora(model, options: TrainOptions):
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+
+    defaults = TARGETS.get(model.config.deltafy["base_model_type"])
+    targets = options.lora_targets or defaults
+    if not targets:
+        raise DeltafyError("peft has no default LoRA targets for this family; pass --lora-targets")
+    config = LoraConfig(
+        r=options.lora_r,
+        lora_alpha=options.lora_alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    _refuse_site_modules(model, config, defaults)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise DeltafyError(f"LoRA: {first_line(err)} (check --lora-targets)") from err
+
+
+def _refuse_site_modules(model, config, defaults) -> None:
+    """LoRA must not wrap a module whose forward deltafy wraps: peft would add its update after
+    the site saw the write (or the context), so the model trained would not be the model merged."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    spec = model.config.deltafy
+    for name, _ in model.get_submodule(spec["layers"]).named_children():
+        for site in spec["sites"]:
+            watched = [site["write"]]
+            if site.get("stream") and site.get("context") != "input":  # the heads read its output
+                watched.append(site["stream"])
+            for module in watched:
+                if check_target_module_exists(config, f"{spec['layers']}.{name}.{module}"):
+                    hint = f" (peft's default here: {','.join(defaults)})" if defaults else ""
+                    raise DeltafyError(
+                        f"--lora-targets: LoRA on {module!r} would bypass the DDL correction of the "
+                        f"{site['name']!r} site, which wraps that module; target modules inside the sublayer{hint}"
+                    )
+
+
+def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
+    """The plain deltafy model after LoRA training: the adapters merged into its weights, or (first
+    saved to ``adapter_dir`` when given) removed, leaving the base weights as they were.
+
+    ``get_base_model()`` would not do for the second case: peft injects its layers into the base
+    model in place, so that model still holds ``base_layer``/``lora_A`` tensors and saves them.
+    """
+    if not hasattr(model, "peft_config"):
+        return model
+    if merge:
+        return model.merge_and_unload()
+    if adapter_dir is not None:
+        model.save_pretrained(adapter_dir)
+        readable(adapter_dir)
+    return model.unload()
+
+
+def site_betas(model, blocks: torch.Tensor) -> dict[str, float]:
+    """Mean beta per site (qualified name) on a few blocks."""
+    model.eval()
+    with torch.no_grad():
+        return mean_betas(model, lambda: model(input_ids=blocks[:4].to(next(model.parameters()).device)))
+
+
+def per_layer(betas: dict[str, float]) -> list[float]:
+    """Site betas averaged over each layer's sites, in layer order."""
+    layers: dict[int, list[float]] = {}
+    for name, value in betas.items():
+        layers.setdefault(int(name.split(".delta.")[0].rsplit(".", 1)[1]), []).append(value)
+    return [sum(v) / len(v) for _, v in sorted(layers.items())]
