@@ -18,7 +18,7 @@ import torch
 
 from . import modeling_deltafy
 from .card import model_card, public
-from .errors import DeltafyError
+from .errors import DeltafyError, first_line
 from .files import MODELING_FILE, RECIPE_FILE
 from .modeling_deltafy import HEADS_FILE
 from .options import Recipe
@@ -271,7 +271,7 @@ def read_config(path: str | Path) -> dict:
         if "base" in config["deltafy"]:
             modeling_deltafy.check_base_record(config["deltafy"]["base"])
     except ValueError as err:
-        raise DeltafyError(f"invalid {file}: {str(err).removeprefix('deltafy: ')}") from err
+        raise DeltafyError(f"invalid {file}: {err}") from err
     return config
 
 
@@ -372,11 +372,8 @@ def load(
             output_loading_info=True,
             **kwargs,
         )
-    except DeltafyError:
-        raise
     except Exception as err:
-        message = (str(err).strip().splitlines() or [type(err).__name__])[0].removeprefix("deltafy: ")
-        raise DeltafyError(f"could not load {path}: {message}") from err
+        raise DeltafyError(f"could not load {path}: {first_line(err)}") from err
     missing = list(info.get("missing_keys", ()))
     if missing:  # transformers would have filled them with random values
         raise DeltafyError(

@@ -1,8 +1,11 @@
-"""The one exception type whose message is shown to users as-is, and the one way to quote another's."""
+"""The one exception type whose message is shown to users as-is, and the one way to quote another's.
 
+DeltafyError is the modeling file's own class: the file a checkpoint carries raises it where deltafy
+is not installed, and the package raises the same class, so its messages need no marking."""
 
-class DeltafyError(Exception):
-    """Bad input or an unmet precondition; the message says what to do about it."""
+from .modeling_deltafy import DeltafyError
+
+__all__ = ["DeltafyError", "first_line"]
 
 
 def first_line(err: BaseException, with_type: bool = False) -> str:

@@ -39,10 +39,14 @@ GATES = ("logit", "strength")
 DIRECTIONS = ("sublayer", "learned")
 
 
+class DeltafyError(ValueError):
+    """Bad input or an unmet precondition; the message says what to do."""
+
+
 def _check_kinds(direction: str, gate: str) -> None:
     for field, value, choices in (("direction", direction, DIRECTIONS), ("gate", gate, GATES)):
         if value not in choices:
-            raise ValueError(f"deltafy: {field} must be {' or '.join(map(repr, choices))}, got {value!r}")
+            raise DeltafyError(f"{field} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
 # A config is text anyone can edit: what it holds is checked as when deltafy wrote it (a NaN eps
@@ -50,17 +54,17 @@ def _check_kinds(direction: str, gate: str) -> None:
 def _check_number(field: str, value, positive: bool = False) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and (value > 0 or not positive)):
-        raise ValueError(f"deltafy: {field} must be a finite number{' > 0' * positive}, got {value!r}")
+        raise DeltafyError(f"{field} must be a finite number{' > 0' * positive}, got {value!r}")
 
 
 def _check_count(field: str, value, none_ok: bool = False) -> None:
     if not ((value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
-        raise ValueError(f"deltafy: {field} must be a positive integer{' or null' * none_ok}, got {value!r}")
+        raise DeltafyError(f"{field} must be a positive integer{' or null' * none_ok}, got {value!r}")
 
 
 def _check_text(field: str, value, empty_ok: bool = False) -> None:
     if not (isinstance(value, str) and (value or empty_ok)):
-        raise ValueError(f"deltafy: {field} must be a{'' if empty_ok else ' non-empty'} string, got {value!r}")
+        raise DeltafyError(f"{field} must be a{'' if empty_ok else ' non-empty'} string, got {value!r}")
 
 
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
@@ -81,7 +85,7 @@ class SiteSpec:
         _check_text(f"{where}: write", self.write)
         _check_text(f"{where}: stream", self.stream, empty_ok=True)
         if self.context not in ("output", "input"):
-            raise ValueError(f"deltafy: {where}: context must be 'output' or 'input', got {self.context!r}")
+            raise DeltafyError(f"{where}: context must be 'output' or 'input', got {self.context!r}")
         _check_number(f"{where}: scale", self.scale, positive=True)
         if self.norm_after is not None:
             _check_text(f"{where}: norm_after", self.norm_after)
@@ -110,22 +114,22 @@ class DeltaSpec:
         _check_kinds(self.direction, self.gate)
         _check_count("rank", self.rank, none_ok=True)
         if self.rank is not None and self.direction != "learned":
-            raise ValueError("deltafy: rank applies only to a learned direction")
+            raise DeltafyError("rank applies only to a learned direction")
         _check_number("gate_bias", self.gate_bias)
         _check_number("eps", self.eps, positive=True)
         _check_count("channels", self.channels)
         if not isinstance(self.sites, (list, tuple)):
-            raise ValueError(f"deltafy: sites must be a list of sites, got {self.sites!r}")
+            raise DeltafyError(f"sites must be a list of sites, got {self.sites!r}")
         object.__setattr__(self, "sites", tuple(_site(s) for s in self.sites))
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:
         """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
         if not isinstance(section, dict):
-            raise ValueError(f"deltafy: the config's deltafy section must be an object, got {section!r}")
+            raise DeltafyError(f"the config's deltafy section must be an object, got {section!r}")
         for f in fields(cls):
             if f.default is MISSING and f.name not in section:
-                raise ValueError(f"deltafy: the config's deltafy section has no {f.name!r}")
+                raise DeltafyError(f"the config's deltafy section has no {f.name!r}")
         return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
 
     def to_dict(self) -> dict:
@@ -136,12 +140,12 @@ def _site(site) -> SiteSpec:
     if isinstance(site, SiteSpec):
         return site
     if not isinstance(site, dict):
-        raise ValueError(f"deltafy: every site must be an object, got {site!r}")
+        raise DeltafyError(f"every site must be an object, got {site!r}")
     unknown = sorted(site.keys() - {f.name for f in fields(SiteSpec)})
     missing = [f.name for f in fields(SiteSpec) if f.default is MISSING and f.name not in site]
     if unknown or missing:
         what = f"{unknown[0]!r} is unknown" if unknown else f"{missing[0]!r} is missing"
-        raise ValueError(f"deltafy: site {site.get('name')!r}: {what}")
+        raise DeltafyError(f"site {site.get('name')!r}: {what}")
     return SiteSpec(**site)
 
 
@@ -187,7 +191,7 @@ class DeltaRead(nn.Module):
     def __init__(self, channels: int, offset: int = 0):
         super().__init__()
         if channels < 2:
-            raise ValueError(f"deltafy: an expanded stream has at least 2 channels, got {channels}")
+            raise DeltafyError(f"an expanded stream has at least 2 channels, got {channels}")
         self.channels, self.offset = channels, offset
         self.weight = nn.Parameter(torch.empty(channels - 1))
         self.reset_parameters()
@@ -239,7 +243,7 @@ class DeltaSite(nn.Module):
         super().__init__()
         _check_kinds(direction, gate)
         if not scale > 0:
-            raise ValueError(f"deltafy: the scale on a residual write must be positive, got {scale}")
+            raise DeltafyError(f"the scale on a residual write must be positive, got {scale}")
         self.hidden_size = hidden_size
         self.gate_bias_init = float(gate_bias)
         self.eps = float(eps)
@@ -432,7 +436,7 @@ class _SiteCall:
                 stream, context = stash.pop(id(site))
             except KeyError:
                 raise RuntimeError(
-                    "deltafy: a residual write ran before its stream was captured; the site map does "
+                    "a residual write ran before its stream was captured; the site map does "
                     "not match this model's layer code"
                 ) from None
             output = _with_output(output, site(stream, context, h))
@@ -458,9 +462,9 @@ def _layers(model: nn.Module, path: str) -> nn.ModuleList:
     try:
         layers = model.get_submodule(path)
     except AttributeError as err:
-        raise ValueError(f"deltafy: this model has no decoder layers at {path!r}") from err
+        raise DeltafyError(f"this model has no decoder layers at {path!r}") from err
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"deltafy: {path!r} is not a non-empty list of decoder layers")
+        raise DeltafyError(f"{path!r} is not a non-empty list of decoder layers")
     return layers
 
 
@@ -473,9 +477,9 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     if not isinstance(spec, DeltaSpec):
         spec = DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
-        raise ValueError("deltafy: this model is already converted")
+        raise DeltafyError("this model is already converted")
     if spec.channels > 1 and any(site.stream == "" for site in spec.sites):
-        raise ValueError("deltafy: an expanded stream needs every site's stream to be a module inside the layer")
+        raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
     plan = []
     for layer in _layers(model, spec.layers):
         for site in spec.sites:
@@ -483,8 +487,8 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
                 stream = layer.get_submodule(site.stream) if site.stream else layer
                 write = layer.get_submodule(site.write)
             except AttributeError as err:
-                raise ValueError(
-                    f"deltafy: site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
+                raise DeltafyError(
+                    f"site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
                 ) from err
             plan.append((layer, site, stream, write))
     ref = next(model.parameters())
@@ -546,7 +550,7 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
     """Undo apply_deltafy in place: the original forwards back, the heads gone (see deltafy.unconvert)."""
     calls = model.__dict__.pop("_deltafy_calls", None)
     if not calls:
-        raise ValueError("deltafy: this model is not converted")
+        raise DeltafyError("this model is not converted")
     for call in calls:
         module = call.module
         module.__dict__.pop("extra_repr", None)
@@ -572,8 +576,8 @@ def disabled(model: nn.Module):
     since a site's stream and write are two of the layer's modules."""
     calls = list({id(c): c for module in model.modules() for c in module.__dict__.get("_deltafy_calls", ())}.values())
     if not calls:
-        raise ValueError(
-            f"deltafy: this {type(model).__name__} holds no converted decoder layer; pass a converted model, "
+        raise DeltafyError(
+            f"this {type(model).__name__} holds no converted decoder layer; pass a converted model, "
             f"its decoder or one of its layers"
         )
     previous = [call.enabled for call in calls]
@@ -648,16 +652,14 @@ _HEX = re.compile(r"[0-9a-f]+")
 _KEYS = ("missing_keys", "unexpected_keys")  # of from_pretrained's loading info
 
 
-class BaseModelError(OSError):
+class BaseModelError(DeltafyError, OSError):
     """The base model of a heads-only checkpoint is missing or is not the one it was made from."""
 
 
 def _misfit(source: str, missing: list[str], unexpected: list[str]) -> None:
     if missing or unexpected:
         what = f"lacks the head {missing[0]}" if missing else f"holds {unexpected[0]}, which is not a head"
-        raise ValueError(
-            f"deltafy: {source} {what} of this model ({len(missing)} missing, {len(unexpected)} unexpected)"
-        )
+        raise DeltafyError(f"{source} {what} of this model ({len(missing)} missing, {len(unexpected)} unexpected)")
 
 
 def check_heads(stored: dict, heads: dict, source: str) -> None:
@@ -669,11 +671,9 @@ def check_heads(stored: dict, heads: dict, source: str) -> None:
     for name in sorted(heads):
         got, want = stored[name], heads[name]
         if not got.dtype.is_floating_point:
-            raise ValueError(f"deltafy: {name} in {source} holds {got.dtype}, not floats")
+            raise DeltafyError(f"{name} in {source} holds {got.dtype}, not floats")
         if got.shape != want.shape:
-            raise ValueError(
-                f"deltafy: {name} in {source} has shape {tuple(got.shape)}, the model's is {tuple(want.shape)}"
-            )
+            raise DeltafyError(f"{name} in {source} has shape {tuple(got.shape)}, the model's is {tuple(want.shape)}")
 
 
 def check_base_record(record) -> dict:
@@ -681,30 +681,29 @@ def check_base_record(record) -> dict:
     a Hub model pinned to a commit, or a local one with the SHA-256 of its weight files (without them
     any folder at that path would do, another model's or one with tensors missing)."""
     if not (isinstance(record, dict) and ("id" in record or "path" in record)):
-        raise ValueError(
-            'deltafy: deltafy.base must be {"id", "revision"} (a Hub model) or {"path", "sha256"} '
+        raise DeltafyError(
+            'deltafy.base must be {"id", "revision"} (a Hub model) or {"path", "sha256"} '
             f"(a local one), got {record!r}"
         )
     if "id" in record:
         _check_text("deltafy.base.id", record["id"])
         if "revision" not in record:
-            raise ValueError(f"deltafy: deltafy.base names the Hub model {record['id']} but no revision to pin it to")
+            raise DeltafyError(f"deltafy.base names the Hub model {record['id']} but no revision to pin it to")
         revision = record["revision"]
         if not (isinstance(revision, str) and len(revision) == 40 and _HEX.fullmatch(revision)):
-            raise ValueError(f"deltafy: deltafy.base.revision must be a commit (40 hex digits), got {revision!r}")
+            raise DeltafyError(f"deltafy.base.revision must be a commit (40 hex digits), got {revision!r}")
         return record
     _check_text("deltafy.base.path", record["path"])
     if "sha256" not in record:
-        raise ValueError(
-            f"deltafy: deltafy.base names the local model {record['path']} but no sha256 of its weight files, "
+        raise DeltafyError(
+            f"deltafy.base names the local model {record['path']} but no sha256 of its weight files, "
             f"which prove it is the base the heads were trained on"
         )
     hashes = record["sha256"]
     good = isinstance(hashes, dict) and hashes and all(isinstance(k, str) and k for k in hashes)
     if not (good and all(isinstance(v, str) and len(v) == 64 and _HEX.fullmatch(v) for v in hashes.values())):
-        raise ValueError(
-            f"deltafy: deltafy.base.sha256 must map each weight file's name to its SHA-256 (64 hex digits), "
-            f"got {hashes!r}"
+        raise DeltafyError(
+            f"deltafy.base.sha256 must map each weight file's name to its SHA-256 (64 hex digits), got {hashes!r}"
         )
     return record
 
@@ -761,10 +760,10 @@ def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | 
         location = _packaged_file(record["package"], Path(record["path"]).name) or location
     want = record.get("sha256", {})  # (a local copy of a Hub base has none: _from_base checks what it loads)
     if not location.exists() and override is not None:
-        raise BaseModelError(f"deltafy: the base model given for this heads-only checkpoint is not there: {location}")
+        raise BaseModelError(f"the base model given for this heads-only checkpoint is not there: {location}")
     if not location.exists():
         raise BaseModelError(
-            f"deltafy: the base model of this heads-only checkpoint was not found at {location} (expected "
+            f"the base model of this heads-only checkpoint was not found at {location} (expected "
             f"{', '.join(want) or record.get('id')}); pass its location with {PASS_BASE}"
         )
     if want:
@@ -774,7 +773,7 @@ def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | 
                 found = f"sha256 {got[name][:12]}" if name in got else "missing"
                 expected = f"sha256 {want[name][:12]}" if name in want else "no such file"
                 raise BaseModelError(
-                    f"deltafy: {location} is not the base model this checkpoint was made from: {name} is "
+                    f"{location} is not the base model this checkpoint was made from: {name} is "
                     f"{found}, expected {expected}"
                 )
     location = location.resolve()
@@ -829,7 +828,7 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if unverified else ())})
     if odd:
         raise BaseModelError(
-            f"deltafy: {location} is not the base model this checkpoint was made from: {len(odd)} tensors "
+            f"{location} is not the base model this checkpoint was made from: {len(odd)} tensors "
             f"missing or left over (e.g. {odd[0]})"
         )
     model.config.__dict__.pop("model_type", None)
@@ -838,9 +837,7 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
 
         revision = extract_commit_hash(cached_file(location, "config.json", revision=pin["revision"], **hub), None)
         if revision != pin["revision"]:
-            raise BaseModelError(
-                f"deltafy: the base model {location} is at revision {revision}, expected {pin['revision']}"
-            )
+            raise BaseModelError(f"the base model {location} is at revision {revision}, expected {pin['revision']}")
     if "gguf_file" in pin:  # a .gguf base is fully dequantized: nothing of it is quantized any more
         model.hf_quantizer, model.is_quantized = None, False
     model.__class__ = cls
@@ -868,11 +865,11 @@ def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseExce
         cached = try_to_load_from_cache(location, "config.json", cache_dir=hub.get("cache_dir"), revision=revision)
         if not isinstance(cached, str):  # (None, or a marker that the file is known not to exist)
             return BaseModelError(
-                f"deltafy: the base model {location}{pinned} is not in the local Hugging Face cache and the Hub is "
+                f"the base model {location}{pinned} is not in the local Hugging Face cache and the Hub is "
                 f"offline ({offline}): go online once to download it, or pass its local folder with {PASS_BASE}"
             )
     return BaseModelError(
-        f"deltafy: could not load the base model {record.get('id') or location}{pinned} that this heads-only "
+        f"could not load the base model {record.get('id') or location}{pinned} that this heads-only "
         f"checkpoint needs ({_short_error(err)})"
     )
 

@@ -58,10 +58,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
     recipe = load_recipe(recipe)
     config = model.config
     spec = build_spec(config, recipe, architecture=type(model).__name__)
-    try:
-        apply_deltafy(model, spec)
-    except ValueError as err:
-        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    apply_deltafy(model, spec)
     config.deltafy = spec
     return model
 
@@ -70,10 +67,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     """Remove the DDL heads and restore the original forwards, in place: the original model again,
     bitwise (whatever the heads learned is dropped). A wrapper installed on a site module after
     conversion (accelerate's hooks, say) stays in place and keeps working."""
-    try:
-        remove_deltafy(model)
-    except ValueError as err:
-        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    remove_deltafy(model)
     model.config.__dict__.pop("deltafy", None)
     return model
 

@@ -166,8 +166,7 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     except RuntimeError as err:  # a write before its stream, or a write of the wrong width
         _stash().clear()
         raise DeltafyError(
-            f"site map for {spec['base_model_type']!r} does not fit this model: "
-            f"{first_line(err).removeprefix('deltafy: ')}"
+            f"site map for {spec['base_model_type']!r} does not fit this model: {first_line(err)}"
         ) from err
     finally:
         model.train(was_training)
@@ -325,10 +324,7 @@ def layerwise_self_check(
     inputs = make_inputs(model, tokenizer)
     with torch.no_grad(), layer_by_layer(model, weights, layers=spec["layers"], progress=step):
         reference = record_reference(model, *inputs, new_tokens=0)
-    try:
-        apply_deltafy(model, spec)
-    except ValueError as err:
-        raise DeltafyError(str(err).removeprefix("deltafy: ")) from err
+    apply_deltafy(model, spec)
     model.config.deltafy = spec
     slots = {name: t for name, t in model.state_dict(keep_vars=True).items() if is_head(name)}
     if unknown := sorted(set(heads) - set(slots)):

@@ -609,7 +609,7 @@ def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path,
     with pytest.raises(deltafy.DeltafyError, match="site 'mlp': scale must be a finite number > 0, got inf"):
         deltafy.load(out)
     result = run_child([{"key": "inf-scale", "path": str(out), "ids": [[1, 2]], "new_tokens": 1}], tmp_path)
-    assert "ValueError: deltafy: site 'mlp': scale must be a finite number > 0, got inf" in result["inf-scale"]["error"]
+    assert "DeltafyError: site 'mlp': scale must be a finite number > 0, got inf" in result["inf-scale"]["error"]
 
 
 @pytest.mark.parametrize("case", ["gpt2", "gemma2", "gpt_neox-parallel", "llama-untied"])

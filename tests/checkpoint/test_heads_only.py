@@ -326,8 +326,8 @@ def test_a_heads_file_that_does_not_fit_is_refused_by_name(misfits, name):
         deltafy.load(folders["heads", name])
     assert words in str(err.value) and "\n" not in str(err.value)
     got = plain[f"heads-{name}"]
-    assert not got["loaded"] and got["type"] == "ValueError", got
-    assert got["message"] == "deltafy: " + str(err.value).split(": ", 1)[1]  # the same line, less "could not load"
+    assert not got["loaded"] and got["type"] == "DeltafyError", got
+    assert got["message"] == str(err.value).split(": ", 1)[1]  # the same line, less "could not load"
 
 
 @pytest.mark.parametrize("name", sorted(MISFITS))
@@ -346,8 +346,8 @@ def test_a_full_checkpoint_whose_heads_do_not_fit_is_refused_in_one_line(misfits
     # Plain transformers: a missing head would be left uninitialized and an unknown one dropped; the
     # checkpoint's code refuses both. A wrong shape transformers refuses itself; an integer it casts.
     if name in ("missing", "unexpected"):
-        assert not got["loaded"] and got["type"] == "ValueError", got
-        assert got["message"].startswith("deltafy: " + words.format(file=f"the checkpoint {folders['full', name]}"))
+        assert not got["loaded"] and got["type"] == "DeltafyError", got
+        assert got["message"].startswith(words.format(file=f"the checkpoint {folders['full', name]}"))
     elif name in ("target-of-one", "strength-0d"):
         assert not got["loaded"] and "ignore_mismatched_sizes" in got["message"], got
     else:
@@ -383,7 +383,7 @@ def test_a_mistyped_base_record_is_one_line_naming_the_field(record, words):
 
     with pytest.raises(ValueError) as err:
         check_base_record(record)
-    assert str(err.value).startswith("deltafy: ") and words in str(err.value)
+    assert type(err.value).__name__ == "DeltafyError" and words in str(err.value)
     assert check_base_record({"path": "../x", "sha256": {"model.safetensors": GOOD_SHA}})
     assert check_base_record({"id": "someone/tiny", "revision": COMMIT})
 
@@ -413,7 +413,8 @@ def test_a_local_base_without_hashes_or_of_another_model_is_never_loaded(tmp_pat
     # the checkpoint's own code, without deltafy, refuses both
     jobs = [dict(key=folder.name, path=str(folder)) for folder in (unhashed, elsewhere)]
     plain = run_deltafy_free(REFUSE_CHILD, [json.dumps(jobs)], tmp_path)["results"]
-    assert plain["unhashed"]["type"] == "ValueError" and "no sha256 of its weight files" in plain["unhashed"]["message"]
+    unhashed = plain["unhashed"]
+    assert unhashed["type"] == "DeltafyError" and "no sha256 of its weight files" in unhashed["message"]
     assert plain["elsewhere"]["type"] == "BaseModelError" and "is not the base model" in plain["elsewhere"]["message"]
 
 
