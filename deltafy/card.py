@@ -23,7 +23,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # Captions for the figures deltafy writes; another file is shown under its own name.
 FIGURE_CAPTIONS = {
     LOSS_FIGURE: "Training loss per step and held-out loss",
-    BETA_FIGURE: "Mean gate β per layer and site",
+    BETA_FIGURE: "Mean gate factor per layer and site (α·β with a strength gate, β with a logit gate)",
 }
 
 
@@ -118,7 +118,8 @@ def _loading(config: dict, spec: dict, provenance: dict, repo_id: str | None) ->
     lines = [
         "## How to load it",
         "",
-        "With transformers alone (the folder carries its own modeling file, plain PyTorch + transformers):",
+        "It needs only `torch` and `transformers`: the folder carries its own modeling file (plain PyTorch), "
+        "which `trust_remote_code=True` lets transformers run.",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -140,10 +141,6 @@ def _loading(config: dict, spec: dict, provenance: dict, repo_id: str | None) ->
             "checks it is the one the heads were made for, then applies the heads.",
             "",
         ]
-    lines += [
-        "Or with deltafy, which runs no code from the folder: `deltafy.load(repo)` (`pip install deltafy`).",
-        "",
-    ]
     return lines
 
 
@@ -242,7 +239,7 @@ def model_card(
     lines = [
         f"# {title}",
         "",
-        f"A `{spec['base_model_type']}` model converted by [deltafy](https://pypi.org/project/deltafy/): "
+        f"A `{spec['base_model_type']}` model converted by deltafy: "
         "every residual write `x + h` became a Deep Delta Learning write "
         "`x + h + β(v − kᵀx)k` (Zhang et al., *Deep Delta Learning*, arXiv 2601.00417).",
         "",

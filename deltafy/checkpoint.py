@@ -23,8 +23,9 @@ from .files import MODELING_FILE, RECIPE_FILE
 from .modeling_deltafy import HEADS_FILE
 from .options import Recipe
 from .placement import AUTO, auto_device_map
+from .quiet import quiet_transformers
 from .sources.folders import _atomic_dir
-from .sources.load import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+from .sources.load import NO_REMOTE_CODE
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ def save(
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
         # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
         # nothing maps back when the checkpoint is loaded as a deltafy class.
-        previous = _quiet_transformers()  # no "Writing model shards" bar on the CLI's stderr
-        try:
+        with quiet_transformers():  # no "Writing model shards" bar on the CLI's stderr
             if heads_only:
                 _save_config(model, tmp)
                 _save_heads(model, tmp)
@@ -121,8 +121,6 @@ def save(
                 model.save_pretrained(
                     tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False
                 )
-        finally:
-            _restore_transformers(previous)
         config = json.loads((tmp / "config.json").read_text())
         for key in ("auto_map", "deltafy"):
             config.pop(key, None)

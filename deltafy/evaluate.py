@@ -68,6 +68,19 @@ def check_sizes(seq_len: int, batch_size: int, max_blocks: int | None = None, co
         raise DeltafyError("; ".join(problems))
 
 
+def run_settings(source: str, flags: dict | None = None):
+    """How to read text for ``source``: as its own training run did when it is a deltafy folder (its
+    recipe's training section), else as a run would by default; ``flags`` given (not None) win."""
+    from .checkpoint import read_config
+    from .options import EvalOptions, options_from
+    from .sources.load import is_deltafy_folder
+
+    section = None
+    if is_deltafy_folder(Path(source).expanduser()):
+        section = (read_config(source)["deltafy"].get("recipe") or {}).get("training")
+    return options_from(section, EvalOptions, **(flags or {}))
+
+
 def load_any(source: str, dtype: str = "auto", device: str | None = None, base: str | None = None):
     """(model, tokenizer) for a deltafy checkpoint, a stock HF folder, a .gguf file, an alias or a Hub id;
     ``base``: where a heads-only checkpoint's base model is, if it moved."""

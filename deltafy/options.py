@@ -220,15 +220,17 @@ class TrainOptions(TrainingDefaults, LaunchOptions):
     """Every ``deltafy train`` setting: the recipe's training defaults plus the launch options."""
 
 
-def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
-    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's).
+def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOptions, **flags):
+    """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's),
+    as ``model`` (the section's keys that ``model`` has, for a command that reads only some of them).
 
     Every bad value is reported at once, named where the user can fix it: ``--seq-len`` for a
     flag, ``training.seq_len`` for the recipe's section.
     """
     given = {k: v for k, v in flags.items() if v is not None}
+    section = {k: v for k, v in (recipe_training or {}).items() if k in model.model_fields}
     try:
-        return TrainOptions.model_validate({**(recipe_training or {}), **given})
+        return model.model_validate({**section, **given})
     except ValidationError as err:
 
         def where(loc: tuple) -> str:
@@ -237,3 +239,23 @@ def options_from(recipe_training: dict | None, **flags) -> TrainOptions:
             return ".".join(map(str, ("training", *loc)))
 
         raise DeltafyError(f"invalid training options: {format_validation(err, where)}") from err
+
+
+# -- reading held-out text ------------------------------------------------------------------------
+
+
+def _as_trained(name: str, description: str):
+    return Field(TrainingDefaults.model_fields[name].default, description=description)
+
+
+class EvalOptions(BaseModel):
+    """How ``deltafy eval`` and ``inspect`` read text: by default as the checkpoint's run did (its
+    recipe's ``training`` section records the run's settings), else as a run would by default. The
+    sizes' rules are ``evaluate.check_sizes``, which names each flag and what it takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = _as_trained("seq_len", "tokens per block, at least 2 and at most the model's positions")
+    batch_size: int = _as_trained("batch_size", "blocks per forward, at least 1")
+    max_blocks: int | None = Field(None, description="evaluate at most this many blocks; unset: every block")
+    text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")

@@ -126,10 +126,7 @@ def _load(folder: Path):
     """A converted model, loaded to be counted: without transformers' loading bar, which would cut
     through the bench's own."""
     from ..checkpoint import load
-    from ..sources.load import _quiet_transformers, _restore_transformers
+    from ..quiet import quiet_transformers
 
-    previous = _quiet_transformers()
-    try:
+    with quiet_transformers():
         return load(folder, dtype="float32")
-    finally:
-        _restore_transformers(previous)

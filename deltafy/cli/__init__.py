@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> None:
 
         state.debug = "--debug" in args
         state.argv = list(args)
+        if not state.debug:  # before the commands' imports: tqdm reads TQDM_DISABLE when first imported
+            from ..quiet import quiet_third_parties
+
+            quiet_third_parties()
         from ._app import run
 
         run(args)

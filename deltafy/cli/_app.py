@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -64,11 +63,6 @@ def run(args: list[str]) -> None:
     interrupted by SIGINT / SIGTERM (deltafy.cli.main says so). With ``--debug`` errors propagate
     instead: Python prints the whole traceback, including the exception a DeltafyError was raised from.
     """
-    # deltafy shows its own progress; third-party tqdm bars would interleave with it.
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     try:
         # standalone_mode=False: typer returns the code of a typer.Exit (and 130 for an interrupt it
         # caught) instead of exiting; a code that is not 0 must still reach the shell.

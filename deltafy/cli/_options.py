@@ -71,7 +71,9 @@ def _comma_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-def _field_option(name: str, field: FieldInfo, spelling: str | None, panel: str | None) -> inspect.Parameter:
+def _field_option(
+    name: str, field: FieldInfo, spelling: str | None, panel: str | None, source: str
+) -> inspect.Parameter:
     """One keyword-only parameter, defaulting to None: an unset flag keeps the recipe's value."""
     kind = _flag_type(field.annotation)
     default = field.default
@@ -85,7 +87,7 @@ def _field_option(name: str, field: FieldInfo, spelling: str | None, panel: str 
     if get_origin(kind) is list:  # one comma-separated value, as people type module lists
         kind, extra = str, {"parser": _comma_list, "metavar": "NAME,..."}
     # The effective default is the recipe's (--recipe, else the checkpoint's), which may differ from the model's.
-    notes.append(f"default: {'unset' if default is None else default}, or the recipe's")
+    notes.append(f"default: {'unset' if default is None else default}, or {source}")
     option = typer.Option(
         spelling or "--" + name.replace("_", "-"),
         help=escape(f"{field.description} ({'; '.join(notes)})"),  # --help reads help as rich markup
@@ -98,14 +100,20 @@ def _field_option(name: str, field: FieldInfo, spelling: str | None, panel: str 
     )
 
 
-def with_model_options(model: type[BaseModel], panel: str | None = None, spellings: dict[str, str] | None = None):
+def with_model_options(
+    model: type[BaseModel],
+    panel: str | None = None,
+    spellings: dict[str, str] | None = None,
+    source: str = "the recipe's",
+):
     """Give a command one flag per field of ``model`` in place of its ``**flags`` parameter.
 
     The model is the single source of each flag's name (``seq_len`` -> ``--seq-len``), type,
     choices, help (the field's description) and shown default; booleans become
     ``--flag/--no-flag`` unless ``spellings`` names them otherwise. Typer reads a command's
     parameters from its signature, so the generated ones are put there. The command receives
-    every field in ``flags``, None where the flag was not given.
+    every field in ``flags``, None where the flag was not given; ``source`` says in the help where
+    a flag left out takes its value from.
     """
 
     def decorate(func):
@@ -114,7 +122,8 @@ def with_model_options(model: type[BaseModel], panel: str | None = None, spellin
         clash = {p.name for p in fixed} & model.model_fields.keys()
         assert not clash, f"command parameters shadow {model.__name__} fields: {clash}"
         generated = [
-            _field_option(name, field, (spellings or {}).get(name), panel) for name, field in model.model_fields.items()
+            _field_option(name, field, (spellings or {}).get(name), panel, source)
+            for name, field in model.model_fields.items()
         ]
         func.__signature__ = signature.replace(parameters=fixed + generated)
         return func

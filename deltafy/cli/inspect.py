@@ -16,8 +16,8 @@ from ..modeling_deltafy import mean_betas
 from ._console import console
 from ._options import OFF, BaseOpt
 
-# Enough text for a stable mean without a long wait on CPU: at most 8 blocks of 256 tokens.
-MAX_BLOCKS, MAX_SEQ_LEN, BATCH = 8, 256, 4
+# Enough text for a stable mean without a long wait on CPU: at most 8 blocks (of the run's length).
+MAX_BLOCKS, BATCH = 8, 4
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def _mean_betas(model, tokenizer) -> dict[str, float]:
 
 
 @torch.no_grad()
-def _mean_betas_on_text(model, tokenizer, data: list[str], text_field: str) -> tuple[dict[str, float], int]:
+def _mean_betas_on_text(model, tokenizer, data: list[str], options) -> tuple[dict[str, float], int]:
     from ..data import pack, token_stream
     from ..errors import DeltafyError
     from ..evaluate import model_positions
@@ -36,8 +36,8 @@ def _mean_betas_on_text(model, tokenizer, data: list[str], text_field: str) -> t
         raise DeltafyError(
             "the checkpoint has no tokenizer to read --data with; leave --data out to measure on random token ids"
         )
-    stream = token_stream(data, tokenizer, text_field)
-    seq_len = min(MAX_SEQ_LEN, model_positions(model.config) or MAX_SEQ_LEN, stream.numel())
+    stream = token_stream(data, tokenizer, options.text_field)
+    seq_len = min(options.seq_len, model_positions(model.config) or options.seq_len, stream.numel())
     blocks = pack(stream, seq_len)[:MAX_BLOCKS]
 
     def run():
@@ -58,26 +58,33 @@ def inspect_command(
         typer.Option(
             "--data",
             "-d",
-            help="Text to measure β on (files, folders, globs, datasets).",
+            help="Text to measure the gates on (files, folders, globs, datasets).",
             show_default="built-in prompts",
         ),
     ] = None,
     plot: Annotated[
         Path | None,
         typer.Option(
-            "--plot", help="Draw mean β per layer and site into this .png (or .svg, .pdf).", show_default="no picture"
+            "--plot",
+            help="Draw the mean gate factor (α·β with a strength gate, else β) per layer and site into this "
+            ".png (or .svg, .pdf).",
+            show_default="no picture",
         ),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace the --plot file if it exists.", show_default=OFF)
     ] = False,
-    text_field: Annotated[str, typer.Option("--text-field", help="JSONL/dataset text field.")] = "text",
+    text_field: Annotated[
+        str | None, typer.Option("--text-field", help="JSONL/dataset text field.", show_default="the run's, else text")
+    ] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
     ] = False,
     base: BaseOpt = None,
 ) -> None:
-    """Show a deltafy checkpoint: recipe, sites, and the mean gate β per layer on a few prompts or on --data.
+    """Show a deltafy checkpoint: recipe, sites, and the mean gate factor per layer on a few prompts or on --data.
+
+    With --data, text is read in blocks of the checkpoint's run (its recipe's seq_len), 8 blocks at most.
 
     [bold]Examples[/]
 
@@ -87,7 +94,8 @@ def inspect_command(
     """
     from ..data import expand
     from ..errors import DeltafyError
-    from ..training.plots import check_format, plot_betas
+    from ..evaluate import run_settings
+    from ..training.plots import check_format, factor_label, plot_betas
 
     # Everything the user can get wrong is refused before the model loads.
     if plot is not None:
@@ -102,19 +110,21 @@ def inspect_command(
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     if data:
-        betas, tokens = _mean_betas_on_text(model, tokenizer, list(data), text_field)
+        options = run_settings(str(model_dir), {"text_field": text_field})
+        betas, tokens = _mean_betas_on_text(model, tokenizer, list(data), options)
     else:
         betas, tokens = _mean_betas(model, tokenizer), None
     # without a tokenizer the prompts cannot be read: make_inputs draws random token ids instead
     measured_on = "built-in prompts" if tokenizer is not None else "random token ids"
     sites = [s["name"] for s in spec["sites"]]
+    label = factor_label(spec)  # α·β with a strength gate
     layers = len(model.get_submodule(spec["layers"]))
     per_layer = [
         {site: betas.get(f"{spec['layers']}.{i}.delta.{site}", float("nan")) for site in sites} for i in range(layers)
     ]
     name = model_dir.expanduser().resolve().name
     if plot is not None:
-        plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, title=name)
+        plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, title=name, label=label)
     if json_out:
         record = {
             "model": str(model_dir),
@@ -142,10 +152,12 @@ def inspect_command(
         )
     )
     if data:
-        console.print(escape(f"mean β on {tokens:,} tokens of {', '.join(data)}"))
+        console.print(escape(f"mean {label} on {tokens:,} tokens of {', '.join(data)}"))
     elif tokenizer is None:
-        console.print(f"mean β on {measured_on}: the checkpoint has no tokenizer to read the built-in prompts with")
-    table = Table("layer", *[escape(f"β {s}") for s in sites], box=None)
+        console.print(
+            f"mean {label} on {measured_on}: the checkpoint has no tokenizer to read the built-in prompts with"
+        )
+    table = Table("layer", *[escape(f"{label} {s}") for s in sites], box=None)
     for i, row in enumerate(per_layer):
         table.add_row(str(i), *[f"{row[s]:.3g}" for s in sites])
     console.print(table)

@@ -113,6 +113,9 @@ def train_command(
             f"held-out loss {result.loss_before:.4f} → {result.loss_after:.4f} ({delta:+.4f} nats) after "
             f"{result.steps} steps, {result.seconds_per_step:.2f} s/step, {result.trainable_params:,} trained"
         )
+        from ..checkpoint import read_config
+        from ..training.plots import factor_label
+
         betas = " ".join(f"{b:.2g}" for b in result.mean_beta_per_layer)
-        console.print(f"mean β per layer: {betas}")
+        console.print(f"mean {factor_label(read_config(result.out)['deltafy'])} per layer: {betas}")
         console.print(f"wrote [bold]{escape(str(result.out))}[/]")

@@ -260,15 +260,13 @@ def _check_written(plan: StreamPlan, folder: Path, tolerance: float) -> CheckRep
     from transformers import AutoModelForCausalLM
 
     from ..checkpoint import load
-    from ..sources.load import NO_REMOTE_CODE, _quiet_transformers, _restore_transformers
+    from ..quiet import quiet_transformers
+    from ..sources.load import NO_REMOTE_CODE
 
     dtype = plan.model.dtype
-    previous = _quiet_transformers()
-    try:
+    with quiet_transformers():
         stock = AutoModelForCausalLM.from_pretrained(plan.folder, dtype=dtype, **NO_REMOTE_CODE).eval()
         reference = record_reference(stock, *make_inputs(stock, plan.tokenizer))
         del stock
         converted = load(folder, dtype=dtype)
-    finally:
-        _restore_transformers(previous)
     return self_check(converted, reference, tolerance=tolerance)

@@ -15,6 +15,7 @@ import torch
 
 from ..architectures import layout_for
 from ..errors import DeltafyError
+from ..quiet import quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +129,6 @@ def _short(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return previous
-
-
-def _restore_transformers(previous):
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity(previous)
-    hf_logging.enable_progress_bar()
-
-
 def _has_vocabulary(tokenizer) -> bool:
     # For a folder without tokenizer files, transformers may build a tokenizer that knows only its
     # special tokens (gpt2, opt, qwen2, gemma, ...): it encodes any text to nothing or <unk>.
@@ -207,8 +192,7 @@ def load_config(location: str, what: str, **kwargs):
 def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
     from transformers import AutoModelForCausalLM
 
-    previous = _quiet_transformers()
-    try:
+    with quiet_transformers():
         config = load_config(location, what, **kwargs)
         torch_dtype = _dtype(dtype, config)
         try:
@@ -227,8 +211,6 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
             )
         check_finite(model, what, config)
         tokenizer = source_tokenizer(location, what, **kwargs)
-    finally:
-        _restore_transformers(previous)
     return Source(model.eval(), tokenizer)
 
 
@@ -262,15 +244,13 @@ def source_tokenizer(location: str, what: str, **kwargs):
 
 
 def _read_gguf(path: Path, what):
-    previous = _quiet_transformers()
     try:
-        return what()
+        with quiet_transformers():
+            return what()
     except DeltafyError:
         raise
     except Exception as err:
         raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
-    finally:
-        _restore_transformers(previous)
 
 
 def gguf_cache(path: Path) -> tuple[Path | None, str]:

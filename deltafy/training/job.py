@@ -14,10 +14,10 @@ import torch
 
 from ..errors import DeltafyError
 from ..files import ADAPTER_DIR, METRICS_FILE, STATE_DIR
-from ..options import TrainOptions
+from ..options import LaunchOptions, TrainOptions
 from .checkpoints import atomic_trainer, newest_complete, set_aside, step_of, write_failure
 from .monitor import Stop, monitor, to_stderr
-from .plots import write_training_figures
+from .plots import factor_label, write_training_figures
 from .run_folder import (
     RunLock,
     append_metrics,
@@ -411,7 +411,8 @@ def _train(
             },
         )
         status(f"writing {out}")
-        figures = write_training_figures(out, betas)  # loss.png and beta.png, shown by the card
+        label = factor_label(trained.config.deltafy)
+        figures = write_training_figures(out, betas, label)  # loss.png and beta.png, shown by the card
         training = {
             "mode": options.train,
             "steps": result.steps,
@@ -424,7 +425,14 @@ def _train(
         }
         try:
             model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
-            provenance = model.config.deltafy.get("provenance")
+            # The saved recipe's training section is this run's settings: eval, inspect and a next run
+            # read text as this run did (a held-out file too short for the default 256 tokens included).
+            spec = model.config.deltafy
+            spec["recipe"] = {
+                **spec["recipe"],
+                "training": options.model_dump(mode="json", exclude=set(LaunchOptions.model_fields)),
+            }
+            provenance = spec.get("provenance")
             save(
                 model,
                 out,

@@ -1,4 +1,4 @@
-"""Figures a checkpoint's card shows: mean gate β per layer and site, and the loss curves of a run.
+"""Figures a checkpoint's card shows: the mean gate factor (β, or α·β) per layer and site, and a run's losses.
 
 matplotlib is imported only when a figure is drawn, and only its object-oriented API is used (no
 pyplot): no GUI backend is touched and no global figure state is left behind in a library call.
@@ -69,27 +69,45 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_betas(betas: Mapping, path: str | Path, title: str = "") -> Path:
-    """Mean gate β per layer, one line per site, on a log scale (β spans 1e-8 at init to ~1 and up to 2)."""
+def factor_label(spec: Mapping) -> str:
+    """What a site's mean multiplies its correction by: α·β with a strength gate (α starts at 0 and
+    may turn negative), β = 2σ(gate) in (0, 2) with a logit gate."""
+    return "α·β" if spec.get("gate") == "strength" else "β"
+
+
+def plot_betas(betas: Mapping, path: str | Path, title: str = "", label: str = "β") -> Path:
+    """Draw ``beta_figure`` into ``path``."""
+    return _save(beta_figure(betas, title, label), Path(path))
+
+
+def beta_figure(betas: Mapping, title: str = "", label: str = "β"):
+    """Mean ``label`` (β, or α·β) per layer, one line per site, every value drawn with its sign.
+
+    The axis is symmetric-log: linear within the smallest magnitude present, logarithmic beyond, so
+    a logit gate's 3e-8 at init and a trained 0.5 show on one axis, and a negative α·β (a site
+    that learned to remove its correction) lies below the zero line instead of vanishing."""
     by_site = betas_by_site(betas)
     if not by_site:
         raise DeltafyError("the model has no DDL sites to draw")
     fig = _figure()
     ax = fig.add_subplot()
-    positive = [x for values in by_site.values() for x in values if math.isfinite(x) and x > 0]
+    magnitudes = [abs(x) for values in by_site.values() for x in values if math.isfinite(x) and x != 0]
     for site, values in by_site.items():
-        shown = [x if math.isfinite(x) and (x > 0 or not positive) else math.nan for x in values]
-        ax.plot(range(len(values)), shown, marker="o", markersize=4, linewidth=1.5, label=site)
-    if positive:
-        ax.set_yscale("log")
+        ax.plot(range(len(values)), values, marker="o", markersize=4, linewidth=1.5, label=site)
+    ax.axhline(0.0, color="0.5", linewidth=0.8)
+    scale = ""
+    if magnitudes and max(magnitudes) / min(magnitudes) > 100:  # a linear axis would flatten the small ones to 0
+        ax.set_yscale("symlog", linthresh=min(magnitudes), linscale=0.5)
+        scale = f" (symmetric log scale, linear within ±{min(magnitudes):.1g})"
     layers = max(len(v) for v in by_site.values())
     ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
     ax.set_xlabel("layer")
-    ax.set_ylabel("mean β" + (" (log scale)" if positive else ""))
-    ax.set_title(f"Mean gate β per layer · {title}" if title else "Mean gate β per layer")
+    ax.set_ylabel(f"mean {label}{scale}")
+    heading = f"Mean {label} per layer and site"
+    ax.set_title(f"{heading} · {title}" if title else heading)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(title="site")
-    return _save(fig, Path(path))
+    return fig
 
 
 def plot_training(metrics_file: str | Path, path: str | Path, title: str = "") -> Path:
@@ -120,7 +138,7 @@ def plot_training(metrics_file: str | Path, path: str | Path, title: str = "") -
     return _save(fig, Path(path))
 
 
-def write_training_figures(out: str | Path, betas: Mapping | None = None) -> list[str]:
+def write_training_figures(out: str | Path, betas: Mapping | None = None, label: str = "β") -> list[str]:
     """Draw a finished run's figures into its folder ``out``: ``loss.png`` from its metrics.jsonl and
     ``beta.png`` from ``betas`` (``mean_betas``' per-site numbers) or else the summary's mean β per
     layer. Returns the file names written, for the card. A figure that cannot be drawn is skipped
@@ -144,7 +162,7 @@ def write_training_figures(out: str | Path, betas: Mapping | None = None) -> lis
         betas = {"all sites": per_layer} if per_layer else None
     if betas:
         try:
-            plot_betas(betas, out / BETA_FIGURE, title)
+            plot_betas(betas, out / BETA_FIGURE, title, label)
             written.append(BETA_FIGURE)
         except DeltafyError as err:
             log.warning("no β figure: %s", err)

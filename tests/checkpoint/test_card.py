@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard, metadata_load
 import deltafy
 from deltafy.card import model_card
 from deltafy.sources.load import ALIAS_BASE_MODELS, ALIASES, load_source, sha256_file
-from deltafy.training.plots import plot_betas, plot_training, write_training_figures
+from deltafy.training.plots import beta_figure, plot_betas, plot_training, write_training_figures
 
 CHECK = {
     "max_abs_dlogits": 1.5e-7,
@@ -68,6 +68,9 @@ def test_full_copy_card_names_its_hub_base_and_license(saved, tmp_path):
     assert "| greedy generation, 32 tokens with KV cache | identical |" in card
     assert "from_pretrained(repo, trust_remote_code=True)" in card
     assert "recipe: `ddl-scalar`" in card
+    # what a reader needs to load it, and nothing they could not get: no index serves deltafy
+    assert "only `torch` and `transformers`" in card
+    assert "pip install" not in card and "pypi.org" not in card
 
 
 def test_heads_only_card_is_an_adapter_of_its_pinned_base(saved, tmp_path):
@@ -183,6 +186,23 @@ def test_beta_figure_per_layer_and_site(tmp_path):
     path = plot_betas(betas, tmp_path / "figures" / "beta.png", title="tiny-delta")
     assert_image(path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["beta.png"]  # no temporary file left beside it
+
+
+def test_a_signed_alpha_beta_is_drawn_whole_with_its_sign():
+    """After a short run with a strength gate, about half the sites carry a negative α·β: each is
+    drawn below the zero line on a symmetric-log axis (a log axis dropped them), and the axis says
+    what it shows."""
+    values = {"attn": [2e-3, -5e-4, 3e-2, -1e-3], "mlp": [-2e-4, 4e-3, 0.0, 1e-1]}
+    betas = {f"model.layers.{i}.delta.{site}": v for site, row in values.items() for i, v in enumerate(row)}
+    ax = beta_figure(betas, "tiny", label="α·β").axes[0]
+    assert ax.get_yscale() == "symlog"
+    drawn = {
+        line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if not line.get_label().startswith("_")
+    }
+    assert drawn == values  # every site, every layer, negative ones included
+    assert ax.get_ylabel().startswith("mean α·β") and "α·β" in ax.get_title()
+    # values of one magnitude: a plain linear axis
+    assert beta_figure({"s": [0.1, -0.2, 0.3]}).axes[0].get_yscale() == "linear"
 
 
 def test_training_figures_from_a_runs_metrics(tmp_path):

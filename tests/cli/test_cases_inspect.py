@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from deltafy.modeling_deltafy import HEADS_FILE
 
 PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"
-RANDOM_IDS = "mean β on random token ids: the checkpoint has no tokenizer to read the built-in prompts with"
+RANDOM_IDS = "mean α·β on random token ids: the checkpoint has no tokenizer to read the built-in prompts with"
 
 
 @dataclass

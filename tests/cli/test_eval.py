@@ -145,3 +145,35 @@ def test_sizes_are_checked_together_and_before_the_text_is_read(tiny):
         evaluate_text(model, tokenizer, ["no-such-file.txt"], seq_len=positions + 1)
     with pytest.raises(DeltafyError, match="--batch-size takes an integer ≥ 1; got 0"):
         evaluate_text(model, tokenizer, ["no-such-file.txt"], seq_len=SEQ, batch_size=0)
+
+
+def test_a_trained_folder_is_read_as_its_run_read_text(tiny, tmp_path):
+    """The run trained on blocks of 24 tokens, and its held-out file is too short for the default
+    256: eval and inspect of the output default to the run's own settings, which its saved recipe
+    records (config.json and recipe.yaml), and a flag still wins."""
+    import yaml
+
+    from deltafy.checkpoint import read_config
+
+    short = tmp_path / "short.txt"
+    short.write_text(tiny.held_txt.read_text()[:300])  # about 130 tokens: not one block of 256
+    train = ["train", tiny.delta, "--data", tiny.train_txt, "--eval-data", short, "--out", tmp_path / "run"]
+    proc = run_cli(*train, "--steps", "2", "--seq-len", "24", "--batch-size", "2", "--save-every", "50", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    saved = read_config(tmp_path / "run")["deltafy"]["recipe"]["training"]
+    assert (saved["seq_len"], saved["batch_size"], saved["steps"]) == (24, 2, 2)
+    assert "fsdp" not in saved  # how a run was launched is no recipe's business
+    assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["training"] == saved
+
+    result = json_result(run_cli("eval", tmp_path / "run", "--data", short, "--json", cwd=tmp_path))
+    assert result["seq_len"] == 24
+    assert result["blocks"] == result["tokens"] // 23 > 1
+    assert (
+        json_result(run_cli("eval", tmp_path / "run", "--data", short, "--seq-len", "12", "--json", cwd=tmp_path))[
+            "seq_len"
+        ]
+        == 12
+    )
+    # the converted model it came from was never trained: a run's default of 256 applies, and says so
+    proc = run_cli("eval", tiny.delta, "--data", short, cwd=tmp_path)
+    assert proc.returncode != 0 and "256" in proc.stderr

@@ -423,6 +423,10 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "after 2 steps" in proc.stdout
+    # deltafy's lines only: no library's start-up warning (DeepSpeed's "Setting accelerator to CPU",
+    # imported by the Trainer) and no third-party progress bar
+    assert [line.split(" ", 1)[0] for line in proc.stdout.splitlines()] == ["held-out", "mean", "wrote"], proc.stdout
+    assert all(line.startswith("train: ") for line in proc.stderr.splitlines()), proc.stderr
     record = json.loads((out / "training" / "run.json").read_text())
     assert record["eval_sources"] == [str(held), str(held_too)] and record["data_sources"] == [str(tiny.train_txt)]
     steps = step_records(read_metrics(out))

@@ -1,0 +1,49 @@
+"""Third-party output kept out of deltafy's: transformers' logs and progress bars around a library
+call, and, for the command line, the start-up chatter of the libraries a run imports (DeepSpeed's
+"Setting accelerator to CPU" on every ``deltafy train``). ``--debug`` shows all of it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off for the block, then as they were (a bar the
+    command line turned off stays off: the state is restored, not switched back on)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+# Loggers that print to stdout or stderr on import, before a command says anything. A filter on the
+# logger itself survives the library's own set-up (DeepSpeed resets the level and adds its handler).
+_CHATTY = ("DeepSpeed",)
+
+
+def quiet_third_parties() -> None:
+    """For a command-line run (not a library call): no third-party progress bar (deltafy shows its
+    own, and tqdm's would interleave with it), transformers' warnings only as errors, and the
+    import-time warnings of ``_CHATTY`` loggers dropped."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read once, by tqdm's import: call this before it
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for name in _CHATTY:
+        logger = logging.getLogger(name)
+        if _below_error not in logger.filters:
+            logger.addFilter(_below_error)
