@@ -1,8 +1,9 @@
 # Deep Delta Learning residuals for pretrained Hugging Face decoders.
 #
 # This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
-# lines that bind it to the base model class. It imports only torch and transformers, and it is
-# the one implementation of the math: training, evaluation, decoding and torch.compile all run it.
+# lines that bind it to the base model class. It imports only torch, transformers and the standard
+# library, and it is the one implementation of the math: training, evaluation, decoding and
+# torch.compile all run it.
 #
 # Every residual write x <- x + m*h (m: the layer's own scale on the write, usually 1) becomes
 #
@@ -11,7 +12,10 @@
 # k: unit direction, the sublayer's own write (k = m h / |m h|) or a learned head on c;
 # v: scalar target for the readout k^T x, in units of the stream's RMS;
 # beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, normalized to unit length.
-# The gate bias starts very negative, so a fresh conversion behaves like the original model.
+# A fresh conversion is the original model in one of two ways (the spec's ``gate``): "strength", the
+# default recipes', multiplies the correction by a zero-initialized alpha per site (bitwise the
+# original in every dtype, whatever beta starts at); "logit", deltafy 0.1's and the spec's default
+# (so older configs read as written), starts the gate logit at -18, beta = 3e-8.
 #
 # The expanded state (the paper's d_v > 1, "channels"): the stream is X = [x_0 ... x_{d_v-1}], d_v
 # copies of the embedding at the first layer, stacked along the batch dimension so that the layers'
@@ -20,6 +24,14 @@
 #     x_j <- x_j + m*h + beta * (v_j - k^T x_j) * k         with a vector target v in R^{d_v};
 # the last layer hands the final norm the view of its own read. Channels that agree read exactly as
 # that stream, so at beta = 0 the expanded model is the original bitwise.
+#
+# The sections, and their public names (deltafy imports only names without a leading underscore):
+#   the spec       DeltafyError, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION, GATES, DIRECTIONS
+#   the math       ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
+#   the surgery    apply_deltafy, remove_deltafy, disabled, first_input, discard_captures,
+#                  delta_sites, delta_tensors, delta_parameters, mean_betas
+#   checkpoints    HEADS_FILE, PASS_BASE, BaseModelError, check_heads, check_base_record,
+#                  base_weight_files, sha256_files, deltafy_classes (and the heads-only loader)
 from __future__ import annotations
 
 import contextlib
@@ -43,31 +55,30 @@ class DeltafyError(ValueError):
     """Bad input or an unmet precondition; the message says what to do."""
 
 
-def _check_kinds(direction: str, gate: str) -> None:
-    for field, value, choices in (("direction", direction, DIRECTIONS), ("gate", gate, GATES)):
-        if value not in choices:
-            raise DeltafyError(f"{field} must be {' or '.join(map(repr, choices))}, got {value!r}")
-
-
+# -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
 # A config is text anyone can edit: what it holds is checked as when deltafy wrote it (a NaN eps
 # would load and run, and every loss would be NaN).
-def _check_number(field: str, value, positive: bool = False) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and (value > 0 or not positive)):
-        raise DeltafyError(f"{field} must be a finite number{' > 0' * positive}, got {value!r}")
+def _check(ok, field: str, what: str, value) -> None:
+    if not ok:
+        raise DeltafyError(f"{field} must be {what}, got {value!r}")
 
 
-def _check_count(field: str, value, none_ok: bool = False) -> None:
-    if not ((value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
-        raise DeltafyError(f"{field} must be a positive integer{' or null' * none_ok}, got {value!r}")
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_text(field: str, value, empty_ok: bool = False) -> None:
-    if not (isinstance(value, str) and (value or empty_ok)):
-        raise DeltafyError(f"{field} must be a{'' if empty_ok else ' non-empty'} string, got {value!r}")
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-# -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
+def _is_text(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _check_choice(field: str, value, choices: tuple) -> None:
+    _check(value in choices, field, " or ".join(map(repr, choices)), value)
+
+
 @dataclass(frozen=True)
 class SiteSpec:
     """One residual write ``x <- x + scale * h`` of a decoder layer."""
@@ -80,15 +91,14 @@ class SiteSpec:
     norm_after: str | None = None  # post-LN: the norm applied to x + h (read by the self-check)
 
     def __post_init__(self):
-        _check_text("a site's name", self.name)
+        _check(_is_text(self.name), "a site's name", "a non-empty string", self.name)
         where = f"site {self.name!r}"
-        _check_text(f"{where}: write", self.write)
-        _check_text(f"{where}: stream", self.stream, empty_ok=True)
-        if self.context not in ("output", "input"):
-            raise DeltafyError(f"{where}: context must be 'output' or 'input', got {self.context!r}")
-        _check_number(f"{where}: scale", self.scale, positive=True)
+        _check(_is_text(self.write), f"{where}: write", "a non-empty string", self.write)
+        _check(isinstance(self.stream, str), f"{where}: stream", "a string", self.stream)
+        _check_choice(f"{where}: context", self.context, ("output", "input"))
+        _check(_is_number(self.scale) and self.scale > 0, f"{where}: scale", "a finite number > 0", self.scale)
         if self.norm_after is not None:
-            _check_text(f"{where}: norm_after", self.norm_after)
+            _check(_is_text(self.norm_after), f"{where}: norm_after", "a non-empty string", self.norm_after)
 
 
 @dataclass(frozen=True)
@@ -109,24 +119,23 @@ class DeltaSpec:
     channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
 
     def __post_init__(self):
-        _check_text("layers", self.layers)
-        _check_count("hidden_size", self.hidden_size)
-        _check_kinds(self.direction, self.gate)
-        _check_count("rank", self.rank, none_ok=True)
+        _check(_is_text(self.layers), "layers", "a non-empty string", self.layers)
+        _check(_is_count(self.hidden_size), "hidden_size", "a positive integer", self.hidden_size)
+        _check_choice("direction", self.direction, DIRECTIONS)
+        _check_choice("gate", self.gate, GATES)
+        _check(self.rank is None or _is_count(self.rank), "rank", "a positive integer or null", self.rank)
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
-        _check_number("gate_bias", self.gate_bias)
-        _check_number("eps", self.eps, positive=True)
-        _check_count("channels", self.channels)
-        if not isinstance(self.sites, (list, tuple)):
-            raise DeltafyError(f"sites must be a list of sites, got {self.sites!r}")
+        _check(_is_number(self.gate_bias), "gate_bias", "a finite number", self.gate_bias)
+        _check(_is_number(self.eps) and self.eps > 0, "eps", "a finite number > 0", self.eps)
+        _check(_is_count(self.channels), "channels", "a positive integer", self.channels)
+        _check(isinstance(self.sites, (list, tuple)), "sites", "a list of sites", self.sites)
         object.__setattr__(self, "sites", tuple(_site(s) for s in self.sites))
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:
         """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
-        if not isinstance(section, dict):
-            raise DeltafyError(f"the config's deltafy section must be an object, got {section!r}")
+        _check(isinstance(section, dict), "the config's deltafy section", "an object", section)
         for f in fields(cls):
             if f.default is MISSING and f.name not in section:
                 raise DeltafyError(f"the config's deltafy section has no {f.name!r}")
@@ -139,8 +148,7 @@ class DeltaSpec:
 def _site(site) -> SiteSpec:
     if isinstance(site, SiteSpec):
         return site
-    if not isinstance(site, dict):
-        raise DeltafyError(f"every site must be an object, got {site!r}")
+    _check(isinstance(site, dict), "every site", "an object", site)
     unknown = sorted(site.keys() - {f.name for f in fields(SiteSpec)})
     missing = [f.name for f in fields(SiteSpec) if f.default is MISSING and f.name not in site]
     if unknown or missing:
@@ -150,6 +158,27 @@ def _site(site) -> SiteSpec:
 
 
 # -- the math ------------------------------------------------------------------------------------
+def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The stream after ``site``'s write, x + m h + alpha beta (v - k^T x) k, written out plainly in
+    float64 from its heads: what DeltaSite.forward computes fused. With d_v channels x is (d_v, ...)
+    and every channel receives the same write h and its own target v_j."""
+    w = {name: p.detach().double() for name, p in site.named_parameters()}
+    x, c, h, m = x.double(), c.double(), h.double(), site.scale
+    c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-6)  # the heads read the unit context
+    beta = 2 * torch.sigmoid(c @ w["gate.weight"].T + w["gate.bias"]) * w.get("strength", 1.0)
+    if site.direction is None:
+        kr = m * h
+    elif site.direction.rank is None:
+        kr = c @ w["direction.proj.weight"].T
+    else:
+        kr = c @ w["direction.down.weight"].T @ w["direction.up.weight"].T
+    k = kr / torch.sqrt((kr * kr).sum(-1, keepdim=True) + site.eps**2)
+    xs = x if site.channels > 1 else x.unsqueeze(0)  # (d_v, ..., d)
+    v = (c @ w["target.weight"].T + w["target.bias"]).movedim(-1, 0).unsqueeze(-1) * xs.square().mean(-1, True).sqrt()
+    out = xs + m * h + beta * (v - (k * xs).sum(-1, keepdim=True)) * k
+    return out if site.channels > 1 else out[0]
+
+
 class DeltaDirection(nn.Module):
     """Learned direction head k = normalize(W_k c), W_k full or factored as up @ down (rank r)."""
 
@@ -178,7 +207,7 @@ class DeltaDirection(nn.Module):
 
 
 class DeltaRead(nn.Module):
-    """Read weights r of an expanded stream X (its d_v channels stacked along dim 0): the view
+    """Read weights r of an expanded stream's channels X (d_v along dim 0): the view
     ``sum_j r_j x_j`` with the weights summing to 1, which keeps the view at the scale the pretrained
     layers were trained on. Computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``, so that channels that
     agree read as exactly that stream; ``weight`` holds r_1 .. r_{d_v-1} (r_0 is the rest).
@@ -206,57 +235,43 @@ class DeltaRead(nn.Module):
     def extra_repr(self) -> str:
         return f"channels={self.channels}, offset={self.offset}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                return self.forward(x)
-        work = torch.promote_types(x.dtype, torch.float32)
-        channels = x.unflatten(0, (self.channels, -1))
+    def forward(self, channels: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(channels.device.type):
+            with torch.autocast(channels.device.type, enabled=False):
+                return self.forward(channels)
+        work = torch.promote_types(channels.dtype, torch.float32)
         first = channels[0].to(work)
         view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(work) - first, dims=1)
-        return view.to(x.dtype)
+        return view.to(channels.dtype)
 
 
 class DeltaSite(nn.Module):
-    """The DDL heads of one residual write (a site): gate beta, target v, optional direction k.
+    """The DDL heads of one residual write (``site`` of the conversion ``spec``): gate beta, target v,
+    optional direction k and strength alpha, and for an expanded stream whose stream module this site
+    is first to read, that module's read weights (``read``: their offset).
 
-    Attached to its decoder layer as ``layer.delta[name]``. ``forward(x, c, h)`` returns the write
-    h' that the layer adds in place of h; the surgery (_SiteCall) calls it with the stream x, the
-    context c and the write h of the layer's own modules. With ``channels`` d_v > 1, x holds the
-    d_v channels of the expanded stream along dim 0 and h' a write for each; the site whose stream
-    module it is first to use holds the read weights of that module's view (``read``).
+    Attached to its decoder layer as ``layer.delta[name]``. ``forward(x, c, h)`` returns the write h'
+    that the layer adds in place of h, given the stream x, the context c and the write h of the
+    layer's own modules; with d_v channels x is (d_v, ...) and h' holds a write per channel.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        direction: str = DeltaSpec.direction,  # (the defaults are the spec's: one place holds them)
-        rank: int | None = DeltaSpec.rank,
-        gate_bias: float = DeltaSpec.gate_bias,
-        eps: float = DeltaSpec.eps,
-        scale: float = SiteSpec.scale,
-        context: str = SiteSpec.context,
-        gate: str = DeltaSpec.gate,
-        channels: int = DeltaSpec.channels,
-        read: int | None = None,
-    ):
+    def __init__(self, spec: DeltaSpec, site: SiteSpec, read: int | None = None):
         super().__init__()
-        _check_kinds(direction, gate)
-        if not scale > 0:
-            raise DeltafyError(f"the scale on a residual write must be positive, got {scale}")
-        self.hidden_size = hidden_size
-        self.gate_bias_init = float(gate_bias)
-        self.eps = float(eps)
-        self.scale = float(scale)
-        self.context = context
-        self.channels = int(channels)
-        self.gate = nn.Linear(hidden_size, 1)
-        self.target = nn.Linear(hidden_size, self.channels)  # v: one target per channel
-        self.direction = DeltaDirection(hidden_size, rank) if direction == "learned" else None
+        d = spec.hidden_size
+        self.name, self.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
+        self.hidden_size, self.eps, self.channels, self.gate_bias_init = (
+            d,
+            float(spec.eps),
+            spec.channels,
+            spec.gate_bias,
+        )
+        self.scale, self.context = float(site.scale), site.context
+        self.gate = nn.Linear(d, 1)
+        self.target = nn.Linear(d, spec.channels)  # v: one target per channel
+        self.direction = DeltaDirection(d, spec.rank) if spec.direction == "learned" else None
         # alpha; one element, not a 0-d tensor: FSDP2 shards only parameters of at least one dimension
-        self.strength = nn.Parameter(torch.zeros(1)) if gate == "strength" else None
-        self.read = DeltaRead(self.channels, read) if read is not None else None  # read: its offset
-        self.name, self.where = "", ""  # the site's name and "stream -> write", set by apply_deltafy
+        self.strength = nn.Parameter(torch.zeros(1)) if spec.gate == "strength" else None
+        self.read = DeltaRead(spec.channels, read) if read is not None else None
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
             module._is_hf_initialized = True
@@ -267,12 +282,11 @@ class DeltaSite(nn.Module):
         nn.init.constant_(self.gate.bias, self.gate_bias_init)
         nn.init.zeros_(self.target.weight)
         nn.init.zeros_(self.target.bias)
-        if self.direction is not None:
-            self.direction.reset_parameters()
+        for part in (self.direction, self.read):
+            if part is not None:
+                part.reset_parameters()
         if self.strength is not None:
             nn.init.zeros_(self.strength)
-        if self.read is not None:
-            self.read.reset_parameters()
 
     def extra_repr(self) -> str:
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
@@ -298,8 +312,8 @@ class DeltaSite(nn.Module):
         return g, u, inv_norm_c
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h' such that the layer's ``x + m h'`` is ``x + m h + beta (v - k^T x) k``, computed in fp32
-        (or in h's precision where that is wider) and cast back to h's dtype.
+        """h' such that the layer's ``x + m h'`` is ``x + m h + beta (v - k^T x) k`` (ddl_reference),
+        computed in fp32 (or in h's precision where that is wider) and cast back to h's dtype.
 
         Per token this is a few dot products and scalars, written as vecdots and fused multiply-adds
         (no matmuls, no dtype calls that do nothing): decoding one token costs about a dispatch per
@@ -311,8 +325,6 @@ class DeltaSite(nn.Module):
         work = torch.promote_types(dtype, torch.float32)
         if not x.dtype == c.dtype == dtype == work:
             x, c, h = x.to(work), c.to(work), h.to(work)
-        if self.channels > 1:  # x_j along a leading dim; k, beta and h are shared by the channels
-            x = x.unflatten(0, (self.channels, -1))
         dot = torch.linalg.vecdot
         g, u, inv_norm_c = self.heads(c)
         # k = kr / n with n = sqrt(|kr|^2 + eps^2): the sublayer's own write (kr = h, with the
@@ -330,8 +342,6 @@ class DeltaSite(nn.Module):
         if self.strength is not None:  # alpha beta (v - k.x) k: zero at init, bitwise the original
             coef = coef * _like(self.strength, coef)
         out = torch.addcmul(h, kr, coef.unsqueeze(-1), value=-2.0 / self.scale)
-        if self.channels > 1:
-            out = out.flatten(0, 1)
         return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -355,20 +365,21 @@ def _stash() -> dict:
         return _STASH.sites
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+def discard_captures() -> None:
+    """Drop what a forward that failed halfway captured for its writes (this thread's), which would
+    otherwise stay in memory until the next forward."""
+    _stash().clear()
+
+
+def first_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The tensor a module's call received first: the stream, for a decoder layer or a norm."""
     return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
 
 
 def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The call's arguments with ``x`` in place of its first tensor (the stream)."""
     if args and isinstance(args[0], torch.Tensor):
         return (x,) + args[1:], kwargs
     return args, {**kwargs, "hidden_states": x}
-
-
-def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
-    """``channels`` copies of x stacked along dim 0: the layout of an expanded stream."""
-    return x.repeat(channels, *(1,) * (x.dim() - 1))
 
 
 def _output_tensor(output) -> torch.Tensor:
@@ -379,33 +390,28 @@ def _with_output(output, h: torch.Tensor):
     return (h,) + output[1:] if isinstance(output, tuple) else h
 
 
+def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
+    return x.repeat(channels, *(1,) * (x.dim() - 1))
+
+
 class _SiteCall:
     """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
     forward (or the wrapper someone installed before us), then the capture of x and c for every
     site whose stream it is, and the write ``h <- site(x, c, h)`` of every site whose write it is
-    (OPT's post-LN attention is both).
-
-    With an expanded stream (d_v ``channels``) it also carries the stream's channels: the first
-    decoder layer turns its input into d_v copies (``expand``), a stream module runs on the view
-    of its ``read`` instead of on the channels, and the last layer returns the view of the final
-    read (``final``) to the model's final norm.
+    (OPT's post-LN attention is both). An expanded stream's roles are the ``_expanded`` call's.
 
     An instance attribute rather than forward hooks: torch.compile traces it as plain code, and a
     module without hooks keeps torch's fast call path. ``enabled`` False (deltafy.disabled) turns the
-    corrections off: a pass-through, or for an expanded stream every channel receiving the write as
-    it is. An empty call (deltafy.unconvert under someone else's wrapper) is a pass-through.
+    corrections off. An empty call (deltafy.unconvert under someone else's wrapper) is a pass-through.
     """
 
-    def __init__(self, module: nn.Module, channels: int = 1):
+    def __init__(self, module: nn.Module):
         self.module = module
         self.inner = module.__dict__.get("forward")  # e.g. accelerate's hooks; they keep running inside
         self.captures: list[DeltaSite] = []
         self.writes: list[DeltaSite] = []
-        self.channels = channels
-        self.expand = False
-        self.read: DeltaRead | None = None
-        self.final: DeltaRead | None = None
         self.enabled = True
+        self.channels, self.expand, self.read, self.final = 1, False, None, None  # see _expanded
 
     def _forward(self, *args, **kwargs):
         if self.inner is None:
@@ -413,35 +419,50 @@ class _SiteCall:
         return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        if not (self.enabled or self.channels > 1) or not (self.captures or self.writes or self.expand or self.final):
+        if self.channels > 1:
+            return self._expanded(args, kwargs)
+        if not (self.enabled and (self.captures or self.writes)):
             return self._forward(*args, **kwargs)
-        x = None
-        if self.expand or self.read is not None:
-            x = _first_tensor(args, kwargs)
-            if self.expand:  # the stream starts as d_v copies of the embedding
-                x = _tile(x, self.channels)
-            args, kwargs = _with_first(args, kwargs, x if self.read is None else self.read(x))
-        output = self._forward(*args, **kwargs)
+        return self._sites(args, kwargs, self._forward(*args, **kwargs))
+
+    def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
-        for site in self.captures if self.enabled else ():
-            stream = x if x is not None else _first_tensor(args, kwargs)
-            context = _first_tensor(args, kwargs) if site.context == "input" else _output_tensor(output)
-            stash[id(site)] = (stream, context)
+        for site in self.captures:
+            x = first_input(args, kwargs)
+            stash[id(site)] = (
+                x if channels is None else channels,
+                x if site.context == "input" else _output_tensor(output),
+            )
         for site in self.writes:
-            h = _output_tensor(output)
-            if not self.enabled:  # every channel receives the write as it is
-                output = _with_output(output, _tile(h, self.channels))
-                continue
             try:
                 stream, context = stash.pop(id(site))
             except KeyError:
                 raise RuntimeError(
-                    "a residual write ran before its stream was captured; the site map does "
-                    "not match this model's layer code"
+                    "a residual write ran before its stream was captured; the site map does not match this "
+                    "model's layer code"
                 ) from None
-            output = _with_output(output, site(stream, context, h))
+            h = site(stream, context, _output_tensor(output))
+            output = _with_output(output, h.flatten(0, 1) if self.channels > 1 else h)
+        return output
+
+    def _expanded(self, args: tuple, kwargs: dict):
+        """The call on an expanded stream, whose d_v channels travel stacked along dim 0: the first
+        layer's input becomes d_v copies (``expand``), a stream module runs on the view of its
+        ``read`` and its sites see the channels, and the last layer returns the view of the final read
+        (``final``). Disabled, every channel receives the write as it is."""
+        channels = None
+        if self.expand:
+            args, kwargs = _with_first(args, kwargs, _tile(first_input(args, kwargs), self.channels))
+        elif self.read is not None:
+            channels = first_input(args, kwargs).unflatten(0, (self.channels, -1))
+            args, kwargs = _with_first(args, kwargs, self.read(channels))
+        output = self._forward(*args, **kwargs)
+        if self.enabled:
+            output = self._sites(args, kwargs, output, channels)
+        elif self.writes:
+            output = _with_output(output, _tile(_output_tensor(output), self.channels))
         if self.final is not None:
-            output = _with_output(output, self.final(_output_tensor(output)))
+            output = _with_output(output, self.final(_output_tensor(output).unflatten(0, (self.channels, -1))))
         return output
 
     def extra_repr(self) -> str:
@@ -468,6 +489,15 @@ def _layers(model: nn.Module, path: str) -> nn.ModuleList:
     return layers
 
 
+def _site_modules(layer: nn.Module, site: SiteSpec) -> tuple[nn.Module, nn.Module]:
+    try:
+        return (layer.get_submodule(site.stream) if site.stream else layer), layer.get_submodule(site.write)
+    except AttributeError as err:
+        raise DeltafyError(
+            f"site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
+        ) from err
+
+
 def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     """Attach DDL heads to every site of every decoder layer of ``model``, in place.
 
@@ -478,71 +508,48 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         spec = DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise DeltafyError("this model is already converted")
-    if spec.channels > 1 and any(site.stream == "" for site in spec.sites):
+    d_v = spec.channels
+    if d_v > 1 and any(site.stream == "" for site in spec.sites):
         raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
-    plan = []
-    for layer in _layers(model, spec.layers):
-        for site in spec.sites:
-            try:
-                stream = layer.get_submodule(site.stream) if site.stream else layer
-                write = layer.get_submodule(site.write)
-            except AttributeError as err:
-                raise DeltafyError(
-                    f"site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
-                ) from err
-            plan.append((layer, site, stream, write))
+    layers = _layers(model, spec.layers)
+    plan = [(layer, site, *_site_modules(layer, site)) for layer in layers for site in spec.sites]
     ref = next(model.parameters())
     # A model built on the meta device outside a loading context (a streaming conversion) still gets
     # real heads: their init values are what the conversion writes. Inside transformers' loading
     # context the heads are created on meta like every other parameter, and loaded.
-    device = None if ref.is_meta else ref.device
-    d_v = spec.channels
+    place = {"device": None if ref.is_meta else ref.device, "dtype": ref.dtype}
     calls: dict[int, _SiteCall] = {}
-    own: dict[int, tuple[nn.Module, list[_SiteCall]]] = {}  # each layer's calls (every call is inside a layer)
-    reads = 0  # the expanded stream's reads so far: each starts its weights one place further round
 
     def call(module: nn.Module, layer: nn.Module) -> _SiteCall:
-        if id(module) not in calls:
-            calls[id(module)] = _SiteCall(module, d_v)
-            own.setdefault(id(layer), (layer, []))[1].append(calls[id(module)])
+        if id(module) not in calls:  # each layer lists its calls, for deltafy.disabled on a part of the model
+            calls[id(module)] = _SiteCall(module)
+            layer.__dict__.setdefault("_deltafy_calls", []).append(calls[id(module)])
         return calls[id(module)]
 
+    reads = 0  # the expanded stream's reads so far: each starts its weights one place further round
     for layer, site, stream, write in plan:
         # the first site to read a stream module holds the read weights of its view (parallel layers
         # with one norm: both sublayers read one view)
         read = d_v > 1 and id(stream) not in calls
-        delta = DeltaSite(
-            spec.hidden_size,
-            spec.direction,
-            spec.rank,
-            spec.gate_bias,
-            spec.eps,
-            site.scale,
-            site.context,
-            spec.gate,
-            channels=d_v,
-            read=reads if read else None,
-        ).to(device=device, dtype=ref.dtype)
+        delta = DeltaSite(spec, site, read=reads if read else None).to(**place)
         reads += read
-        delta.name, delta.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
         layer.delta[site.name] = delta
         call(stream, layer).captures.append(delta)
         call(write, layer).writes.append(delta)
         if read:
-            call(stream, layer).read = delta.read
+            calls[id(stream)].read = delta.read
     if d_v > 1:
-        layers = _layers(model, spec.layers)
         call(layers[0], layers[0]).expand = True
-        layers[-1].delta["final"] = DeltaRead(d_v, reads).to(device=device, dtype=ref.dtype)
+        layers[-1].delta["final"] = DeltaRead(d_v, reads).to(**place)
         call(layers[-1], layers[-1]).final = layers[-1].delta["final"]
+        for site_call in calls.values():
+            site_call.channels = d_v
     for site_call in calls.values():
         site_call.module.forward = site_call
         site_call.module.extra_repr = site_call.extra_repr
     model._deltafy_calls = list(calls.values())
-    for layer, layer_calls in own.values():  # so that deltafy.disabled finds them from a part of the model
-        layer._deltafy_calls = layer_calls
     return model
 
 
@@ -559,7 +566,7 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
             if call.inner is not None:
                 module.forward = call.inner
         else:  # a wrapper installed after ours still calls it: leave it there as a pass-through
-            call.captures, call.writes, call.expand, call.read, call.final = [], [], False, None, None
+            call.captures, call.writes, call.channels, call.expand, call.read, call.final = [], [], 1, False, None, None
     for module in model.modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             del module.delta
@@ -598,7 +605,6 @@ def delta_sites(model: nn.Module):
 
 
 def _delta_dicts(model: nn.Module):
-    """Yield (qualified name of the layer, its ``delta`` ModuleDict) for every converted layer."""
     for prefix, module in model.named_modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             yield prefix, module.delta
@@ -686,14 +692,14 @@ def check_base_record(record) -> dict:
             f"(a local one), got {record!r}"
         )
     if "id" in record:
-        _check_text("deltafy.base.id", record["id"])
+        _check(_is_text(record["id"]), "deltafy.base.id", "a non-empty string", record["id"])
         if "revision" not in record:
             raise DeltafyError(f"deltafy.base names the Hub model {record['id']} but no revision to pin it to")
         revision = record["revision"]
         if not (isinstance(revision, str) and len(revision) == 40 and _HEX.fullmatch(revision)):
             raise DeltafyError(f"deltafy.base.revision must be a commit (40 hex digits), got {revision!r}")
         return record
-    _check_text("deltafy.base.path", record["path"])
+    _check(_is_text(record["path"]), "deltafy.base.path", "a non-empty string", record["path"])
     if "sha256" not in record:
         raise DeltafyError(
             f"deltafy.base names the local model {record['path']} but no sha256 of its weight files, "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import DeltafyError, first_line
-from ..modeling_deltafy import _first_tensor, _stash, apply_deltafy, disabled
+from ..modeling_deltafy import apply_deltafy, disabled, discard_captures, first_input
 
 PROMPTS = (
     "The capital of France is",
@@ -130,7 +130,7 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     # ``mlp_output += attention_output``).
     def recorder(key, kind):
         def pre(module, args, kwargs):
-            seen.setdefault(key + (kind,), []).append(_first_tensor(args, kwargs).clone())
+            seen.setdefault(key + (kind,), []).append(first_input(args, kwargs).clone())
 
         def post(module, args, output):
             seen.setdefault(key + (kind,), []).append((output[0] if isinstance(output, tuple) else output).clone())
@@ -164,7 +164,7 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     try:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
     except RuntimeError as err:  # a write before its stream, or a write of the wrong width
-        _stash().clear()
+        discard_captures()
         raise DeltafyError(
             f"site map for {spec['base_model_type']!r} does not fit this model: {first_line(err)}"
         ) from err

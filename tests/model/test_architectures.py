@@ -26,7 +26,7 @@ from deltafy.conversion.verify import (
     record_reference,
     self_check,
 )
-from deltafy.modeling_deltafy import DeltaSite, apply_deltafy, delta_sites, mean_betas
+from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec, apply_deltafy, delta_sites, mean_betas
 from deltafy.surgery import build_spec, is_converted
 
 NEW_TOKENS = 32
@@ -548,7 +548,8 @@ def test_granite_site_scale_is_the_residual_multiplier(converted):
 def test_granite_correction_math(direction):
     """x + m*h' == x + m*h + beta*(v - k^T x)*k with k = normalize(m*h) (sublayer) at beta = 1."""
     m, d = 0.22, 32
-    site = DeltaSite(d, direction=direction, scale=m)
+    spec = SiteSpec("attn", "self_attn", scale=m)
+    site = DeltaSite(DeltaSpec("model.layers", d, (spec,), direction=direction), spec)
     gen = torch.Generator().manual_seed(0)
     x, c, h = (torch.randn(4, 6, d, generator=gen) for _ in range(3))
     with torch.no_grad():

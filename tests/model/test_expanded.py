@@ -183,11 +183,11 @@ def test_reads_start_distinct_and_sum_to_one():
     x = torch.randn(3, 5, 8)
     with torch.no_grad():
         read.weight.copy_(torch.tensor([0.31, -0.7, 0.123]))
-    assert torch.equal(read(x.repeat(4, 1, 1)), x)
+    assert torch.equal(read(x.expand(4, 3, 5, 8)), x)
     # and otherwise the weighted sum of the channels
     channels = torch.randn(4, 3, 5, 8)
     expected = torch.einsum("j,j...->...", torch.cat([1 - read.weight.sum(0, keepdim=True), read.weight]), channels)
-    torch.testing.assert_close(read(channels.flatten(0, 1)), expected.detach())
+    torch.testing.assert_close(read(channels), expected.detach())
 
 
 def test_summary_counts_the_reads_and_the_extra_stream():

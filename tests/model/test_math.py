@@ -1,4 +1,5 @@
-"""The DDL math of DeltaSite, checked against the paper's formula written out in float64."""
+"""The DDL math of DeltaSite, checked against the formula written out (ddl_reference, in float64) and
+against what the paper's delta rule does at beta = 1 (overwrite) and beta = 2 (reflect)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from helpers.models import gates_at
 
-from deltafy.modeling_deltafy import DeltaDirection, DeltaSite
+from deltafy.modeling_deltafy import DeltaDirection, DeltafyError, DeltaSite, DeltaSpec, SiteSpec, ddl_reference
 
 D = 16
 
@@ -21,10 +22,16 @@ def _tensors(seed: int = 0, shape=(3, 5, D), dtype=torch.float32):
     return x.to(dtype), c.to(dtype), h.to(dtype)
 
 
-def _site(direction="sublayer", rank=None, scale=1.0, seed=0, target_bias=0.7):
+def _new(scale=1.0, **spec) -> DeltaSite:
+    """A fresh site of a spec with ``spec``'s fields (the rest its defaults), of scale ``scale``."""
+    site = SiteSpec("attn", "self_attn", scale=scale)
+    return DeltaSite(DeltaSpec("model.layers", D, (site,), **spec), site)
+
+
+def _site(direction="sublayer", rank=None, scale=1.0, seed=0, target_bias=0.7, **spec):
     """A site with heads that matter: a random gate, a target bias, a random full-rank direction."""
     torch.manual_seed(seed)
-    site = DeltaSite(D, direction=direction, rank=rank, scale=scale)
+    site = _new(scale, direction=direction, rank=rank, **spec)
     with torch.no_grad():
         site.gate.weight.normal_()
         site.gate.bias.fill_(0.3)
@@ -41,23 +48,6 @@ def _rms(t: torch.Tensor) -> torch.Tensor:
 def _unit_context(c: torch.Tensor) -> torch.Tensor:
     """The heads read the context normalized to unit length: c / sqrt(|c|^2 + 1e-6)."""
     return c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-6)
-
-
-def _reference_stream(site: DeltaSite, x, c, h) -> torch.Tensor:
-    """x + m*h + beta*(v - k^T x)*k in float64, written from the paper, not from the code."""
-    x, c, h = x.double(), c.double(), h.double()
-    cn = _unit_context(c)
-    beta = 2.0 * torch.sigmoid(cn @ site.gate.weight.double().T + site.gate.bias.double())
-    v = (cn @ site.target.weight.double().T + site.target.bias.double()) * _rms(x)
-    m = site.scale
-    if site.direction is None:
-        kr = m * h
-    elif site.direction.rank is None:
-        kr = cn @ site.direction.proj.weight.double().T
-    else:
-        kr = (cn @ site.direction.down.weight.double().T) @ site.direction.up.weight.double().T
-    k = kr / kr.norm(dim=-1, keepdim=True)
-    return x + m * h + beta * (v - (k * x).sum(-1, keepdim=True)) * k
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -134,13 +124,31 @@ def test_matches_the_paper(direction, rank, scale, beta, shape):
     x, c, h = _tensors(4, shape)
     with gates_at(site, beta) if beta is not None else contextlib.nullcontext():
         got = x + scale * _run(site, x, c, h)
-        torch.testing.assert_close(got.double(), _reference_stream(site, x, c, h), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), ddl_reference(site, x, c, h), rtol=1e-5, atol=1e-5)
         with torch.enable_grad():  # autograd runs the same code
             assert torch.equal(x + scale * site(x, c, h).detach(), got)
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("direction, rank", [("sublayer", None), ("learned", 3)], ids=["sublayer", "rank-3"])
+def test_strength_gate_and_expanded_channels_match_the_formula(direction, rank, channels):
+    """alpha beta (v_j - k^T x_j) k on every channel x_j of an expanded stream, with its own target v_j."""
+    site = _site(direction, rank=rank, scale=0.22, gate="strength", gate_bias=0.5, channels=channels)
+    with torch.no_grad():
+        site.target.weight.normal_()
+        site.target.bias.copy_(torch.linspace(-1.0, 1.0, channels))
+        site.strength.fill_(0.6)
+    x, c, h = _tensors(8, (2, 5, D))
+    if channels > 1:  # the channels differ: each reads its own k^T x_j
+        x = torch.stack([x * (1 + j) + j for j in range(channels)])
+    got = x + 0.22 * _run(site, x, c, h)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), ddl_reference(site, x, c, h), rtol=1e-5, atol=1e-5)
+    assert (got - x - 0.22 * h).abs().max() > 0.1  # the correction is there
+
+
 def test_default_init_is_nearly_identity():
-    site = DeltaSite(D)
+    site = _new()
     x, c, h = _tensors(5)
     out = _run(site, x, c, h)
     beta = 2 * torch.sigmoid(torch.tensor(site.gate_bias_init))
@@ -178,7 +186,7 @@ def test_learned_beta_two_reflects_readout(rank):
 
 
 def test_learned_full_rank_starts_at_normalized_context():
-    site = DeltaSite(D, direction="learned")
+    site = _new(direction="learned")
     assert torch.equal(site.direction.proj.weight, torch.eye(D))
     _, c, _ = _tensors(9)
     with torch.no_grad():
@@ -195,10 +203,10 @@ def test_learned_rank_has_factored_shapes():
 
 
 def test_bad_direction_and_scale_are_rejected():
-    with pytest.raises(ValueError, match="direction"):
-        DeltaSite(D, direction="foo")
-    with pytest.raises(ValueError, match="positive"):
-        DeltaSite(D, scale=0.0)
+    with pytest.raises(DeltafyError, match="direction"):
+        _new(direction="foo")
+    with pytest.raises(DeltafyError, match="scale must be a finite number > 0"):
+        _new(scale=0.0)
 
 
 # -- precision --------------------------------------------------------------------------------
@@ -234,7 +242,7 @@ def test_fp16_large_stream_does_not_overflow():
 def test_correction_stays_fp32_under_autocast(recipe, grad):
     """Mixed-precision training and inference run under autocast, which would put the heads'
     matmuls in bf16; the correction is computed as without autocast."""
-    site = DeltaSite(D, direction=recipe[0], rank=recipe[1])
+    site = _new(direction=recipe[0], rank=recipe[1])
     with torch.no_grad():
         for i, param in enumerate(site.parameters()):
             param.normal_(generator=torch.Generator().manual_seed(i))
@@ -252,7 +260,7 @@ def test_correction_stays_fp32_under_autocast(recipe, grad):
 
 @pytest.mark.parametrize("direction, rank", [("sublayer", None), ("learned", None), ("learned", 4)])
 def test_gradients_reach_every_head_at_default_init(direction, rank):
-    site = DeltaSite(D, direction=direction, rank=rank)  # default init: beta ~ 3e-8, target 0
+    site = _new(direction=direction, rank=rank)  # default init: beta ~ 3e-8, target 0
     x, c, h = _tensors(12)
     x.requires_grad_(True)
     h.requires_grad_(True)
@@ -272,7 +280,7 @@ def test_gradients_reach_every_head_at_default_init(direction, rank):
 
 @pytest.mark.parametrize("direction", ["sublayer", "learned"])
 def test_zero_stream_row_gives_finite_gradients(direction):
-    site = DeltaSite(D, direction=direction)
+    site = _new(direction=direction)
     x, c, h = _tensors(14)
     x = x.clone()
     x[0, 0] = 0.0  # e.g. a token whose embedding row is zero (padding_idx rows are zero at init)

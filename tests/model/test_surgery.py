@@ -429,12 +429,12 @@ def test_head_parameter_groups_use_the_given_recipe():
 
 @pytest.mark.parametrize("field, value", [("direction", "random"), ("gate", "sigmoid")])
 def test_spec_and_site_refuse_an_unknown_direction_or_gate(field, value):
-    from deltafy.modeling_deltafy import DeltaSite, DeltaSpec
+    from deltafy.modeling_deltafy import DeltaSpec
 
     with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):
         DeltaSpec(layers="model.layers", hidden_size=8, sites=(), **{field: value})
-    with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):
-        DeltaSite(8, **{field: value})
+    with pytest.raises(ValueError, match=f"{field} must be .* got '{value}'"):  # a site is made from a spec
+        DeltaSpec.from_dict({"layers": "model.layers", "hidden_size": 8, "sites": [SITE], field: value})
 
 
 SITE = {"name": "attn", "write": "self_attn", "stream": "input_layernorm"}
