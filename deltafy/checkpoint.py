@@ -19,7 +19,7 @@ import torch
 from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError, first_line
-from .files import MODELING_FILE, RECIPE_FILE
+from .files import CARD_FILE, MODELING_FILE, RECIPE_FILE
 from .modeling_deltafy import HEADS_FILE
 from .options import Recipe
 from .placement import AUTO, auto_device_map
@@ -145,7 +145,7 @@ def save(
         if callable(check):
             check = check(tmp)
         card = model_card(config, spec, provenance, check, training=training, figures=figures)
-        (tmp / "README.md").write_text(card)
+        (tmp / CARD_FILE).write_text(card)
     return out
 
 

@@ -228,7 +228,12 @@ def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOpt
     flag, ``training.seq_len`` for the recipe's section.
     """
     given = {k: v for k, v in flags.items() if v is not None}
-    section = {k: v for k, v in (recipe_training or {}).items() if k in model.model_fields}
+    # The training settings ``model`` does not read are left out; an unknown key (a typo) is not.
+    section = {
+        k: v
+        for k, v in (recipe_training or {}).items()
+        if k in model.model_fields or k not in TrainingDefaults.model_fields
+    }
     try:
         return model.model_validate({**section, **given})
     except ValidationError as err:
@@ -259,3 +264,48 @@ class EvalOptions(BaseModel):
     batch_size: int = _as_trained("batch_size", "blocks per forward, at least 1")
     max_blocks: int | None = Field(None, description="evaluate at most this many blocks; unset: every block")
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+
+
+# -- a bench --------------------------------------------------------------------------------------
+
+
+class BenchOptions(BaseModel):
+    """Every setting of ``deltafy bench`` besides its inputs, arms and folder: ``deltafy bench`` builds
+    one flag per field. The sizes every run trains with are checked as a run's (TrainOptions)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    steps: PositiveInt = Field(100, description="optimizer steps of every run")
+    seeds: PositiveInt = Field(3, description="seeds per arm, 0 … K-1 (standard errors need 2 or more)")
+    lrs: list[PositiveFloat] = Field(
+        [0.3, 1.0, 3.0], description="multipliers of each arm's default learning rate to sweep"
+    )
+    lr_extend: int = Field(
+        4, ge=0, description="rates a sweep may add past an end of --lrs where its best sits (0: exactly --lrs)"
+    )
+    seq_len: int = _as_trained("seq_len", "tokens per block")
+    batch_size: int = _as_trained("batch_size", "blocks per step")
+    eval_every: PositiveInt | None = Field(None, description="steps between held-out evaluations; unset: steps/5")
+    max_eval_blocks: int = _as_trained("max_eval_blocks", "held-out blocks evaluated")
+    lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
+    text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+
+    @field_validator("lrs")
+    @classmethod
+    def _a_grid(cls, value: list[float]) -> list[float]:
+        if not value or len(set(value)) != len(value):
+            raise ValueError("takes distinct multipliers, e.g. 0.3,1,3")
+        return sorted(value)
+
+
+def bench_options(**settings) -> BenchOptions:
+    """``settings`` (None: the default) as BenchOptions, every bad value named as its flag."""
+    given = {k: v for k, v in settings.items() if v is not None}
+    try:
+        return BenchOptions.model_validate(given)
+    except ValidationError as err:
+
+        def flag(loc: tuple) -> str:
+            return "--" + str(loc[0]).replace("_", "-") if loc else "bench"
+
+        raise DeltafyError(f"invalid bench options: {format_validation(err, flag)}") from err

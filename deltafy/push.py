@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import read_config
-from .errors import DeltafyError
-from .files import LOCK_FILE, MODELING_FILE, STATE_DIR
+from .errors import DeltafyError, first_line
+from .files import CARD_FILE, LOCK_FILE, MODELING_FILE, STATE_DIR
 from .modeling_deltafy import HEADS_FILE  # the weights of a heads-only (delta) folder
 
 LOCK_PATTERNS = [LOCK_FILE, f"*/{LOCK_FILE}", "*.lock"]
@@ -140,7 +140,7 @@ def check_checkpoint(folder: Path) -> tuple[dict, bool]:
             f"{folder} is incomplete: no weights (model.safetensors, a sharded model.safetensors.index.json, "
             f"or {HEADS_FILE}); convert or save it again with deltafy"
         )
-    if not (folder / "README.md").is_file():
+    if not (folder / CARD_FILE).is_file():
         raise DeltafyError(f"{folder} is incomplete: no README.md (its model card); save it again with deltafy")
     return config, heads_only
 
@@ -185,10 +185,9 @@ def _front_matter(folder: Path) -> dict:
     from huggingface_hub import ModelCard
 
     try:
-        return ModelCard.load(folder / "README.md").data.to_dict()
+        return ModelCard.load(folder / CARD_FILE).data.to_dict()
     except Exception as err:  # a YAML error, or front matter that is not a mapping
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DeltafyError(f"the model card {folder / 'README.md'} does not parse: {first}") from err
+        raise DeltafyError(f"the model card {folder / 'README.md'} does not parse: {first_line(err)}") from err
 
 
 def upload_plan(folder: Path, ignore: list[str]) -> tuple[list[tuple[str, int]], list[str]]:
@@ -340,14 +339,14 @@ def _upload(folder: Path, result: PushResult, token: str | None, before_upload) 
     except httpx2.TransportError as err:
         raise DeltafyError(
             _scrub(
-                f"could not reach the Hub at {constants.ENDPOINT} ({type(err).__name__}: {_first_line(err)}); check "
+                f"could not reach the Hub at {constants.ENDPOINT} ({type(err).__name__}: {first_line(err)}); check "
                 f"the network (or HF_ENDPOINT) and run the command again, or pass --dry-run to see what would go up",
                 secret,
             )
         ) from None  # not even --debug shows the unscrubbed text
 
     except ValueError as err:  # the Hub's YAML check of the card, or a revision it cannot commit to
-        raise DeltafyError(_scrub(f"the Hub refused the upload: {_first_line(err)}", secret)) from None
+        raise DeltafyError(_scrub(f"the Hub refused the upload: {first_line(err)}", secret)) from None
     result.repo_url = str(repo_url)
     result.commit_url = getattr(commit, "commit_url", None) or str(commit)
 
@@ -376,13 +375,8 @@ def _http_message(err, repo: str) -> str:
         )
     if status == 404:
         return f"the Hub found no repository {repo} you can write to (404): check --repo and that your token can see it"
-    server = getattr(err, "server_message", None) or _first_line(err)
-    return f"the Hub answered {status or 'an error'} while pushing to {repo}: {_first_line(server)}"
-
-
-def _first_line(err) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+    server = getattr(err, "server_message", None) or first_line(err)
+    return f"the Hub answered {status or 'an error'} while pushing to {repo}: {first_line(server)}"
 
 
 def _scrub(text: str, secret: str) -> str:

@@ -26,9 +26,6 @@ from .runs import curve, keep_only_the_record, memory_kind, train_run
 from .settings import check, data_fingerprints, default_eval_every, options_for
 from .table import Row, row_of
 
-DEFAULT_LRS = (0.3, 1.0, 3.0)
-DEFAULT_EXTEND = 4  # multipliers a sweep may add past an end of the grid where its best sits
-
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 
 
@@ -52,57 +49,53 @@ def run_bench(
     out: str | Path,
     *,
     arms: list[str] | str | None = None,
-    steps: int = 100,
-    seeds: int = 3,
-    lrs: list[float] | tuple[float, ...] = DEFAULT_LRS,
-    extend: int = DEFAULT_EXTEND,
-    seq_len: int = 256,
-    batch_size: int = 8,
-    eval_every: int | None = None,
-    max_eval_blocks: int = 64,
-    lora_targets: list[str] | None = None,
-    text_field: str = "text",
     resume: bool = False,
     overwrite: bool = False,
     isolate: bool | None = None,
     progress: Progress | None = None,
     status: Callable[[str], None] = lambda message: None,
+    **settings,
 ) -> BenchResult:
-    """Bench ``arms`` (default: all) converted from ``source``, into ``out``.
+    """Bench ``arms`` (default: all) converted from ``source``, into ``out``; ``settings`` are the fields
+    of BenchOptions (``steps``, ``seeds``, ``lrs``, ``lr_extend``, ``seq_len``, ...), unset: its defaults.
 
     ``lrs`` multiply each arm's default learning rates (the recipe's ``lr``, with its gate scale,
     for the heads; ``lora_lr`` for LoRA; ddl+lora trains its heads at the heads arm's best rate
     and sweeps its LoRA rate); with one value there is nothing to choose and no sweep. Where the
     best sits at an end of the grid, the sweep goes on past that end by the grid's own step, up to
-    ``extend`` more values, so no arm is judged at a rate the grid merely cut off. ``resume``
+    ``lr_extend`` more values, so no arm is judged at a rate the grid merely cut off. ``resume``
     continues a bench in ``out``, skipping the runs it finished; ``overwrite`` starts over.
     ``isolate`` runs each training run in a child process, which is how peak RSS is measured on a
     CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
     from ..conversion.job import guard_source
     from ..data import expand
+    from ..options import bench_options
     from ..sources.folders import refuse_overlap
 
     out = Path(out).expanduser()
     names = parse_arms(arms)
-    lrs = check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite)
+    options = bench_options(**settings)
+    check(data, eval_data, resume, overwrite)
+    steps, seeds, lrs, extend = options.steps, options.seeds, options.lrs, options.lr_extend
+    seq_len, text_field, lora_targets = options.seq_len, options.text_field, options.lora_targets
     train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
     refuse_shared_text(train_files, held_files)
     guard_source(source, out, heads_only=False)
     texts = [("the training data", Path(f)) for f in train_files] + [("the held-out data", Path(f)) for f in held_files]
     refuse_overlap(out, [(what, path) for what, path in texts if path.exists()])
     recipes = recipes_for(names)
-    options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field)
+    options_for(recipes, options)
     settings = {
         "source": source,
         "data": list(data),
         "eval_data": list(eval_data),
         "steps": steps,
         "seq_len": seq_len,
-        "batch_size": batch_size,
+        "batch_size": options.batch_size,
         "lrs": lrs,
-        "eval_every": eval_every or default_eval_every(steps),
-        "max_eval_blocks": max_eval_blocks,
+        "eval_every": options.eval_every or default_eval_every(steps),
+        "max_eval_blocks": options.max_eval_blocks,
         "lora_targets": lora_targets,
         "text_field": text_field,
     }

@@ -3,7 +3,6 @@ short to train, validate or report on refused before the first run."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from ..errors import DeltafyError
@@ -13,42 +12,30 @@ def default_eval_every(steps: int) -> int:
     return max(1, steps // 5)  # five points of each curve besides the start
 
 
-def check(steps, seeds, lrs, extend, data, eval_data, resume, overwrite) -> list[float]:
-    if resume and overwrite:
-        raise DeltafyError("--resume and --overwrite contradict each other; pass one of them")
-    if not isinstance(steps, int) or steps < 1:
-        raise DeltafyError(f"--steps takes an integer ≥ 1; got {steps}")
-    if not isinstance(seeds, int) or seeds < 1:
-        raise DeltafyError(f"--seeds takes an integer ≥ 1 (the seeds 0 … K-1 each arm trains); got {seeds}")
-    lrs = [float(x) for x in lrs]
-    if not lrs or any(not math.isfinite(x) or x <= 0 for x in lrs) or len(set(lrs)) != len(lrs):
-        raise DeltafyError(
-            f"--lrs takes distinct positive multipliers of each arm's default learning rate, e.g. 0.3,1,3; got "
-            f"{','.join(f'{x:g}' for x in lrs) or 'none'}"
-        )
-    if not isinstance(extend, int) or extend < 0:
-        raise DeltafyError(f"--lr-extend takes an integer ≥ 0 (0: sweep exactly --lrs); got {extend}")
+def check(data, eval_data, resume: bool, overwrite: bool) -> None:
+    from ..training.run_folder import check_resume
+
+    check_resume(resume, overwrite)
     if not data:
         raise DeltafyError("bench needs --data: the text every arm trains on")
     if not eval_data:
         raise DeltafyError("bench needs --eval-data: the held-out text every arm is reported on")
-    return sorted(lrs)
 
 
-def options_for(recipes, names, steps, seq_len, batch_size, eval_every, max_eval_blocks, lora_targets, text_field):
-    """Every value the runs take, checked before any work (each bad one named as its flag)."""
+def options_for(recipes, options) -> None:
+    """The values every run takes, checked as a run's before any work (each bad one named as its flag)."""
     from ..options import load_recipe, options_from
 
     base = load_recipe(recipes[0]).training.model_dump()
     options_from(
         base,
-        steps=steps,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        eval_every=eval_every,
-        max_eval_blocks=max_eval_blocks,
-        lora_targets=lora_targets,
-        text_field=text_field,
+        steps=options.steps,
+        seq_len=options.seq_len,
+        batch_size=options.batch_size,
+        eval_every=options.eval_every,
+        max_eval_blocks=options.max_eval_blocks,
+        lora_targets=options.lora_targets,
+        text_field=options.text_field,
     )
     for recipe in recipes[1:]:
         load_recipe(recipe)

@@ -72,7 +72,7 @@ def _comma_list(value: str) -> list[str]:
 
 
 def _field_option(
-    name: str, field: FieldInfo, spelling: str | None, panel: str | None, source: str
+    name: str, field: FieldInfo, spelling: str | None, panel: str | None, source: str | None
 ) -> inspect.Parameter:
     """One keyword-only parameter, defaulting to None: an unset flag keeps the recipe's value."""
     kind = _flag_type(field.annotation)
@@ -85,9 +85,12 @@ def _field_option(
         notes.append(" | ".join(get_args(kind)))
         extra["metavar"] = "CHOICE"
     if get_origin(kind) is list:  # one comma-separated value, as people type module lists
-        kind, extra = str, {"parser": _comma_list, "metavar": "NAME,..."}
-    # The effective default is the recipe's (--recipe, else the checkpoint's), which may differ from the model's.
-    notes.append(f"default: {'unset' if default is None else default}, or {source}")
+        numbers = _flag_type(get_args(kind)[0]) in (float, int)
+        kind, extra = str, {"parser": _comma_list, "metavar": "X,..." if numbers else "NAME,..."}
+    if isinstance(default, list):  # as it is typed: 0.3,1,3
+        default = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in default)
+    # The effective default may be the recipe's (--recipe, else the checkpoint's) rather than the model's.
+    notes.append(f"default: {'unset' if default is None else default}" + (f", or {source}" if source else ""))
     option = typer.Option(
         spelling or "--" + name.replace("_", "-"),
         help=escape(f"{field.description} ({'; '.join(notes)})"),  # --help reads help as rich markup
@@ -104,7 +107,7 @@ def with_model_options(
     model: type[BaseModel],
     panel: str | None = None,
     spellings: dict[str, str] | None = None,
-    source: str = "the recipe's",
+    source: str | None = "the recipe's",
 ):
     """Give a command one flag per field of ``model`` in place of its ``**flags`` parameter.
 

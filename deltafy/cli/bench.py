@@ -6,11 +6,13 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..errors import DeltafyError
+from ..options import BenchOptions
 from ._console import console, err_console, state
-from ._options import OFF, OverwriteOpt, check_number, extra_text_paths
+from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
 
 
+# Every bench setting is a flag generated from BenchOptions, the model run_bench validates them with.
+@with_model_options(BenchOptions, panel="Bench options", source=None)
 def bench_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Hub id, local HF folder, .gguf file or alias to convert and bench.")],
@@ -28,34 +30,11 @@ def bench_command(
         str | None,
         typer.Option("--arms", help="Comma-separated arms (see below).", show_default="all"),
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps of every run.")] = 100,
-    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per arm (standard errors need 2 or more).")] = 3,
-    lrs: Annotated[
-        str, typer.Option("--lrs", help="Multipliers of each arm's default learning rate to sweep.")
-    ] = "0.3,1,3",
-    lr_extend: Annotated[
-        int,
-        typer.Option(
-            "--lr-extend", help="Rates a sweep may add past an end of --lrs where its best sits (0: exactly --lrs)."
-        ),
-    ] = 4,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per block.")] = 256,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Blocks per step.")] = 8,
-    eval_every: Annotated[
-        int | None, typer.Option("--eval-every", help="Steps between held-out evaluations.", show_default="steps/5")
-    ] = None,
-    max_eval_blocks: Annotated[int, typer.Option("--max-eval-blocks", help="Held-out blocks evaluated.")] = 64,
-    lora_targets: Annotated[
-        str | None,
-        typer.Option(
-            "--lora-targets", help="LoRA module names, comma-separated.", show_default="peft's for the family"
-        ),
-    ] = None,
-    text_field: Annotated[str, typer.Option("--text-field", help="JSONL/dataset text field.")] = "text",
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the bench in --out, keeping its finished runs.", show_default=OFF)
     ] = False,
     overwrite: OverwriteOpt = False,
+    **flags,
 ) -> None:
     """Train DDL arms and LoRA from one conversion of MODEL, each at its best swept learning rate, and
     compare them on the same held-out text.
@@ -78,10 +57,6 @@ def bench_command(
     from ..bench import run_bench
 
     extra_data, extra_eval = extra_text_paths(ctx)
-    for option, value in (("--steps", steps), ("--seeds", seeds), ("--max-eval-blocks", max_eval_blocks)):
-        check_number(option, value, minimum=1)
-    check_number("--eval-every", eval_every, minimum=1)
-    check_number("--lr-extend", lr_extend, minimum=0)
     state.kept = f"the runs the bench finished (if any) are kept in {out}: continue with the same command plus --resume"
     with _Bar() as bar:
         result = run_bench(
@@ -90,29 +65,13 @@ def bench_command(
             list(eval_data) + extra_eval,
             out,
             arms=arms,
-            steps=steps,
-            seeds=seeds,
-            lrs=_multipliers(lrs),
-            extend=lr_extend,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            eval_every=eval_every,
-            max_eval_blocks=max_eval_blocks,
-            lora_targets=[t.strip() for t in lora_targets.split(",") if t.strip()] if lora_targets else None,
-            text_field=text_field,
             resume=resume,
             overwrite=overwrite,
             progress=bar.progress,
             status=bar.status,
+            **flags,  # None where a flag was not given: BenchOptions' default
         )
     _print_table(result)
-
-
-def _multipliers(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DeltafyError(f"--lrs takes comma-separated numbers, e.g. 0.3,1,3; got {text!r}") from None
 
 
 class _Bar:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..architectures import layout_for
-from ..errors import DeltafyError
+from ..errors import DeltafyError, first_line
 from ..quiet import quiet_transformers
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,6 @@ def _dtype(dtype: str, config) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
 def _has_vocabulary(tokenizer) -> bool:
     # For a folder without tokenizer files, transformers may build a tokenizer that knows only its
     # special tokens (gpt2, opt, qwen2, gemma, ...): it encodes any text to nothing or <unk>.
@@ -163,7 +158,7 @@ def _needs_remote_code(err: BaseException) -> bool:
 
 def _unreachable(what: str, err: BaseException) -> DeltafyError:
     return DeltafyError(
-        f"could not fetch {what} from the Hugging Face Hub ({_short(err)}); check the id and your "
+        f"could not fetch {what} from the Hugging Face Hub ({first_line(err)}); check the id and your "
         f"connection, or download it elsewhere and pass the local folder path"
     )
 
@@ -182,7 +177,7 @@ def load_config(location: str, what: str, **kwargs):
             ) from err
         if kwargs.get("local_files_only") is False:
             raise _unreachable(what, err) from err
-        raise DeltafyError(f"could not read the config of {what}: {_short(err)}") from err
+        raise DeltafyError(f"could not read the config of {what}: {first_line(err)}") from err
     if config.model_type == "deltafy":
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
     layout_for(config)  # fail on unsupported families before reading any weights
@@ -202,7 +197,7 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
         except DeltafyError:
             raise
         except Exception as err:  # safetensors, torch and OS errors all mean "bad weights" here
-            raise DeltafyError(f"could not load the weights of {what}: {_short(err)}") from err
+            raise DeltafyError(f"could not load the weights of {what}: {first_line(err)}") from err
         missing = [k for k in info.get("missing_keys", ()) if k]
         if missing:
             raise DeltafyError(
@@ -250,7 +245,7 @@ def _read_gguf(path: Path, what):
     except DeltafyError:
         raise
     except Exception as err:
-        raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
+        raise DeltafyError(f"could not read {path} as a GGUF model: {first_line(err)}") from err
 
 
 def gguf_cache(path: Path) -> tuple[Path | None, str]:
@@ -285,10 +280,10 @@ def gguf_cache(path: Path) -> tuple[Path | None, str]:
         os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
     except ValueError as err:  # from plan.write: a processed tensor whose shape is not the model's
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DeltafyError(f"could not read {path} as a GGUF model: {_short(err)}") from err
+        raise DeltafyError(f"could not read {path} as a GGUF model: {first_line(err)}") from err
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("could not cache the dequantized GGUF model: %s", _short(err))
+        log.warning("could not cache the dequantized GGUF model: %s", first_line(err))
         return None, digest
     except BaseException:  # an interrupt: no half-written copy stays in the cache
         shutil.rmtree(tmp, ignore_errors=True)

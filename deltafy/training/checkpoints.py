@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError
+from ..files import STAGING_DIR
 from ..modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
 from ..sources.folders import readable
 
-STAGING_DIR = ".saving"  # inside STATE_DIR: checkpoints are written here, then renamed into place
 KEEP_CHECKPOINTS = 2
 TRAINER_STATE = "trainer_state.json"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

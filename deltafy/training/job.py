@@ -120,23 +120,16 @@ def run_training(
     # Rank 0 speaks for a torchrun job: it holds the lock and says what the run does.
     lock = RunLock(out) if is_main_process() else contextlib.nullcontext()
     notice = notice if is_main_process() else (lambda message: None)
-    with lock, Stop() as stop:
-        return _train(
-            model_dir,
-            config,
-            data,
-            out,
-            options,
-            eval_data,
-            resume,
-            overwrite,
-            show_progress,
-            status,
-            notice,
-            stop,
-            heads_only,
-            base,
+    with lock, Stop() as stop:  # three stages: before the first step, the steps, after the last
+        run = _prepare(
+            model_dir, config, data, out, options, eval_data, resume, overwrite, status, notice, heads_only, base
         )
+        if isinstance(run, TrainResult):  # a resumed run that had finished and written its model
+            return run
+        trainer, seconds_per_step = _fit(run, show_progress, stop)
+        result = _finish(run, trainer, seconds_per_step, status)
+        _leave_process_group()
+        return result
 
 
 def _read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=None) -> tuple[list, list]:
@@ -213,25 +206,38 @@ def _finished_result(out: Path, steps: int) -> TrainResult:
     )
 
 
-def _train(
-    model_dir,
-    config,
-    data,
-    out,
-    options,
-    eval_data,
-    resume,
-    overwrite,
-    show_progress,
-    status,
-    notice,
-    stop,
-    heads_only,
-    base=None,
-):
-    from transformers import TrainingArguments, get_scheduler
+@dataclass
+class _Run:
+    """What the three stages of a run hand on: prepared, it holds the model and its blocks; fit
+    adds the trainer; finish evaluates and saves."""
 
-    from ..checkpoint import load, load_tokenizer, save
+    model_dir: str
+    out: Path
+    options: TrainOptions
+    data: list[str]
+    eval_data: list[str] | None
+    heads_only: bool
+    base: str | Path | None
+    main: bool
+    state_dir: Path
+    steps: int
+    tokens_per_step: int
+    checkpoint: Path | None  # the checkpoint a --resume continues from
+    finished: bool  # that checkpoint is the last step: only its model remains to be written
+    tokenizer: object = None
+    model: object = None
+    sharding: dict = field(default_factory=dict)  # TrainingArguments of an FSDP run
+    groups: list = field(default_factory=list)  # the optimizer's parameter groups
+    train_blocks: torch.Tensor | None = None
+    eval_blocks: torch.Tensor | None = None
+    trainable: int = 0
+    before: float = float("nan")  # held-out loss before training (rank 0)
+
+
+def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite, status, notice, heads_only, base):
+    """Before the first step: the run's folder made ready (leftovers cleared, a resume checked against
+    its record), the model loaded with what trains selected, the text tokenized, the loss before."""
+    from ..checkpoint import load, load_tokenizer
     from ..data import fingerprint, pack, split_held_out, token_stream
     from ..evaluate import evaluate
 
@@ -278,26 +284,38 @@ def _train(
         if overwrite and not resume:
             clear_run_state(out, state_dir, out / METRICS_FILE)
         write_record(state_dir, record)
+    tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
+    run = _Run(model_dir, out, options, data, eval_data, heads_only, base, main, state_dir, steps, tokens_per_step,
+               checkpoint, finished, tokenizer)  # fmt: skip
 
     status(f"loading {model_dir}")
-    model = load(model_dir, dtype=torch.float32, base=base)  # base: a heads-only input's base, if it moved
-    sharding = fsdp_arguments(model, options)  # before LoRA wraps it: it reads the decoder layers' class
+    run.model = load(model_dir, dtype=torch.float32, base=base)  # base: a heads-only input's base, if it moved
+    run.sharding = fsdp_arguments(run.model, options)  # before LoRA wraps it: it reads the decoder layers' class
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)
     if eval_data:
-        train_blocks = blocks
-        eval_blocks = pack(token_stream(eval_data, tokenizer, options.text_field), options.seq_len)
+        run.train_blocks = blocks
+        run.eval_blocks = pack(token_stream(eval_data, tokenizer, options.text_field), options.seq_len)
     else:
-        train_blocks, eval_blocks = split_held_out(blocks, options.held_out, options.seed)
-    eval_blocks = eval_blocks[: options.max_eval_blocks]
+        run.train_blocks, run.eval_blocks = split_held_out(blocks, options.held_out, options.seed)
+    run.eval_blocks = run.eval_blocks[: options.max_eval_blocks]
+    run.model, run.groups = select_trainable(run.model, options.train, options)
+    run.trainable = sum(p.numel() for g in run.groups for p in g["params"])
+    status("held-out loss before training")
+    if main:
+        run.before = evaluate(run.model, run.eval_blocks, options.batch_size).loss
+    return run
 
+
+def _fit(run: _Run, show_progress: bool, stop: Stop):
+    """The Trainer over the run's blocks, trained to ``run.steps`` (or loaded at a finished run's last
+    checkpoint); a non-finite loss or a signal ends it with the error that says what is kept."""
+    from transformers import TrainingArguments, get_scheduler
+    from transformers.trainer_callback import PrinterCallback
+
+    options, steps, state_dir = run.options, run.steps, run.state_dir
     cuda = torch.cuda.is_available()
     bf16 = options.precision == "bf16" or (options.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-    model, groups = select_trainable(model, options.train, options)
-    trainable = sum(p.numel() for g in groups for p in g["params"])
-
-    status("held-out loss before training")
-    before = evaluate(model, eval_blocks, options.batch_size).loss if main else float("nan")
 
     args = TrainingArguments(
         output_dir=str(state_dir),
@@ -323,11 +341,11 @@ def _train(
         save_only_model=False,
         use_cpu=not cuda,
         **_checkpointing_args(options.gradient_checkpointing),
-        **sharding,
+        **run.sharding,
     )
 
     def make_optimizer():
-        return torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in groups])
+        return torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in run.groups])
 
     def make_scheduler(optimizer):
         return get_scheduler(
@@ -337,25 +355,22 @@ def _train(
             num_training_steps=steps,
         )
 
-    tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
     trainer = sharded_trainer(atomic_trainer(), make_optimizer, make_scheduler)(
-        model=model,
+        model=run.model,
         args=args,
-        train_dataset=_Blocks(train_blocks),
-        eval_dataset=_Blocks(eval_blocks),
-        callbacks=[progress := monitor(out, steps, tokens_per_step, show_progress, stop)],
+        train_dataset=_Blocks(run.train_blocks),
+        eval_dataset=_Blocks(run.eval_blocks),
+        callbacks=[progress := monitor(run.out, steps, run.tokens_per_step, show_progress, stop)],
     )
-    from transformers.trainer_callback import PrinterCallback
-
     trainer.remove_callback(PrinterCallback)  # the Monitor callback reports progress instead
     started = time.perf_counter()
-    if finished:
-        trainer._load_from_checkpoint(str(checkpoint))
-        trainer.state.global_step = step_of(checkpoint)
+    if run.finished:
+        trainer._load_from_checkpoint(str(run.checkpoint))
+        trainer.state.global_step = step_of(run.checkpoint)
     else:
         stop.training = True
         try:
-            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
         except KeyboardInterrupt:  # a second signal: the user's doing, not a failure (from None below)
             last, _ = newest_complete(state_dir)
             kept = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
@@ -379,79 +394,86 @@ def _train(
             f"interrupted at step {trainer.state.global_step} by {name}; a checkpoint was saved in "
             f"{state_dir / f'checkpoint-{trainer.state.global_step}'}: continue with the same command plus --resume"
         )
-    done = max(trainer.state.global_step, 1)
-    seconds = (time.perf_counter() - started) / done
+    return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
+
+
+def _finish(run: _Run, trainer, seconds_per_step: float, status) -> TrainResult:
+    """After the last step: the trained model gathered (FSDP), evaluated, reported in metrics.jsonl
+    and figures, and saved into ``--out`` with the run's settings as its recipe's training section."""
+    from ..checkpoint import save
+    from ..evaluate import evaluate
+
+    options, out, state_dir = run.options, run.out, run.state_dir
     result = TrainResult(
         steps=trainer.state.global_step,
-        loss_before=before,
+        loss_before=run.before,
         loss_after=float("nan"),
-        seconds_per_step=seconds,
-        trainable_params=trainable,
+        seconds_per_step=seconds_per_step,
+        trainable_params=run.trainable,
         out=out,
     )
     trained = trainer.model
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
         gathered = gather_trained(trainer.model)  # a collective: every rank takes part
-        trained = rebuild(model_dir, options, gathered, base) if main else None
-    if main:
-        status("held-out loss after training")
-        # The model as trained (with its LoRA adapters, when it has any): what the run produced.
-        result.loss_after = evaluate(trained, eval_blocks, options.batch_size).loss
-        betas = site_betas(trained, eval_blocks)
-        result.mean_beta_per_layer = per_layer(betas)
-        append_metrics(
-            out,
-            {
-                "event": "summary",
-                "loss_before": before,
-                "loss_after": result.loss_after,
-                "mean_beta_per_layer": result.mean_beta_per_layer,
-                "steps": result.steps,
-            },
-        )
-        status(f"writing {out}")
-        label = factor_label(trained.config.deltafy)
-        figures = write_training_figures(out, betas, label)  # loss.png and beta.png, shown by the card
-        training = {
-            "mode": options.train,
-            "steps": result.steps,
-            "tokens": result.steps * tokens_per_step,
-            "trainable_params": trainable,
-            "data": list(data),
-            "eval_data": list(eval_data or []),
-            "loss_before": before,
+        trained = rebuild(run.model_dir, options, gathered, run.base) if run.main else None
+    if not run.main:
+        return result
+    status("held-out loss after training")
+    # The model as trained (with its LoRA adapters, when it has any): what the run produced.
+    result.loss_after = evaluate(trained, run.eval_blocks, options.batch_size).loss
+    betas = site_betas(trained, run.eval_blocks)
+    result.mean_beta_per_layer = per_layer(betas)
+    append_metrics(
+        out,
+        {
+            "event": "summary",
+            "loss_before": run.before,
             "loss_after": result.loss_after,
+            "mean_beta_per_layer": result.mean_beta_per_layer,
+            "steps": result.steps,
+        },
+    )
+    status(f"writing {out}")
+    label = factor_label(trained.config.deltafy)
+    figures = write_training_figures(out, betas, label)  # loss.png and beta.png, shown by the card
+    training = {
+        "mode": options.train,
+        "steps": result.steps,
+        "tokens": result.steps * run.tokens_per_step,
+        "trainable_params": run.trainable,
+        "data": list(run.data),
+        "eval_data": list(run.eval_data or []),
+        "loss_before": run.before,
+        "loss_after": result.loss_after,
+    }
+    try:
+        model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
+        # The saved recipe's training section is this run's settings: eval, inspect and a next run
+        # read text as this run did (a held-out file too short for the default 256 tokens included).
+        spec = model.config.deltafy
+        spec["recipe"] = {
+            **spec["recipe"],
+            "training": options.model_dump(mode="json", exclude=set(LaunchOptions.model_fields)),
         }
-        try:
-            model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
-            # The saved recipe's training section is this run's settings: eval, inspect and a next run
-            # read text as this run did (a held-out file too short for the default 256 tokens included).
-            spec = model.config.deltafy
-            spec["recipe"] = {
-                **spec["recipe"],
-                "training": options.model_dump(mode="json", exclude=set(LaunchOptions.model_fields)),
-            }
-            provenance = spec.get("provenance")
-            save(
-                model,
-                out,
-                tokenizer=tokenizer,
-                provenance=provenance,
-                into=True,
-                heads_only=heads_only,
-                training=training,
-                figures=figures,
-            )
-        except Exception as err:
-            last, _ = newest_complete(state_dir)
-            if isinstance(err, DeltafyError) and last is not None:
-                raise DeltafyError(f"{err}; {last} is still usable: free space and rerun with --resume") from err
-            failure = write_failure(err, f"the model into {out}", state_dir)
-            if failure is not None:
-                raise failure from err
-            raise
-    _leave_process_group()
+        save(
+            model,
+            out,
+            tokenizer=run.tokenizer,
+            provenance=spec.get("provenance"),
+            into=True,
+            heads_only=run.heads_only,
+            training=training,
+            figures=figures,
+        )
+    except Exception as err:
+        last, _ = newest_complete(state_dir)
+        if isinstance(err, DeltafyError) and last is not None:
+            raise DeltafyError(f"{err}; {last} is still usable: free space and rerun with --resume") from err
+        failure = write_failure(err, f"the model into {out}", state_dir)
+        if failure is not None:
+            raise failure from err
+        raise
     return result
 
 

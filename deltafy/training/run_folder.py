@@ -20,6 +20,12 @@ from ..options import TrainOptions
 # -- the --out folder --------------------------------------------------------------------------
 
 
+def check_resume(resume: bool, overwrite: bool) -> None:
+    """--resume keeps what --overwrite would replace: a run (or a bench) takes one of them."""
+    if resume and overwrite:
+        raise DeltafyError("--resume and --overwrite contradict each other; pass one of them")
+
+
 def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=(), within=()) -> None:
     """Refuse, before anything is loaded, an ``--out`` that would destroy the input or the user's files:
     whatever the flags, one that is or holds the input model folder or another path the run reads
@@ -28,6 +34,7 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
     one that deltafy did not write."""
     from ..sources.folders import check_writable, is_output, refuse_overlap
 
+    check_resume(resume, overwrite)
     refuse_overlap(out, [("the input model folder", Path(model_dir)), *reads], within)
     if out.exists() and not out.is_dir():
         raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")

@@ -21,7 +21,8 @@ from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
 
-pytestmark = pytest.mark.usefixtures("token_cache")
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
 
 ARMS_RUN = ["heads", "lora", "ddl+lora"]
 SIZES = dict(steps=2, seq_len=64, batch_size=4, max_eval_blocks=4, eval_every=1)
@@ -41,7 +42,7 @@ RECORD_FIELDS = {
 
 
 def bench(tiny, out: Path, **overrides):
-    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], extend=0, isolate=False, **SIZES)
+    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], lr_extend=0, isolate=False, **SIZES)
     values.update(overrides)
     return run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], out, **values)
 
@@ -118,7 +119,7 @@ def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
     assert extended([1.0, 3.0, 10.0], 10.0) == 33.3 and extended([1.0, 3.0, 10.0], 1.0) == 0.333
     assert extended([1.0, 3.0, 10.0], 3.0) is None and extended([2.0], 2.0) is None
     # At rates this small every larger one trains further in two steps: the best sits at the top end.
-    result = bench(tiny, tmp_path / "out", arms=["lora"], seeds=1, lrs=[0.01, 0.02], extend=2)
+    result = bench(tiny, tmp_path / "out", arms=["lora"], seeds=1, lrs=[0.01, 0.02], lr_extend=2)
     swept = sorted(r["lr_multiplier"] for r in result.sweep)
     assert swept == [0.01, 0.02, 0.04, 0.08]
     losses = [r["validation_loss"] for r in sorted(result.sweep, key=lambda r: r["lr_multiplier"])]
@@ -261,10 +262,11 @@ def test_sigterm_stops_the_bench_and_the_run_it_started(tiny, tmp_path):
     "overrides, needle",
     [
         (dict(arms=["heads", "nope"]), "unknown arm 'nope'; choose from heads, logit"),
-        (dict(seeds=0), "--seeds takes an integer ≥ 1"),
-        (dict(steps=0), "--steps takes an integer ≥ 1"),
-        (dict(lrs=[1, -1]), "--lrs takes distinct positive multipliers"),
-        (dict(extend=-1), "--lr-extend takes an integer ≥ 0"),
+        (dict(seeds=0), "--seeds: Input should be greater than 0"),
+        (dict(steps=0), "--steps: Input should be greater than 0"),
+        (dict(lrs=[1, -1]), "--lrs: Input should be greater than 0"),
+        (dict(lrs=[1, 1]), "--lrs: takes distinct multipliers"),
+        (dict(lr_extend=-1), "--lr-extend: Input should be greater than or equal to 0"),
         (dict(resume=True, overwrite=True), "--resume and --overwrite contradict"),
         (dict(seq_len=1), "--seq-len"),
     ],
@@ -394,12 +396,19 @@ def test_paths_after_eval_data_stay_held_out(monkeypatch):
         extra_text_paths(SimpleNamespace(args=["x"]))
 
 
-def test_the_command_defaults_are_the_librarys():
+def test_every_bench_flag_is_a_field_of_its_options_model_with_its_default_in_the_help():
+    """One source for each setting: the command's flags are BenchOptions' fields (unset: None, so
+    run_bench applies the model's default), and --help shows that default as it is typed."""
     import inspect
 
-    from deltafy.bench import DEFAULT_EXTEND, DEFAULT_LRS
-    from deltafy.cli.bench import _multipliers, bench_command
+    from typer.testing import CliRunner
+
+    from deltafy.cli import app
+    from deltafy.cli.bench import bench_command
+    from deltafy.options import BenchOptions
 
     parameters = inspect.signature(bench_command).parameters
-    assert parameters["lr_extend"].default == DEFAULT_EXTEND
-    assert tuple(_multipliers(parameters["lrs"].default)) == DEFAULT_LRS
+    assert set(BenchOptions.model_fields) <= set(parameters)
+    assert all(parameters[name].default is None for name in BenchOptions.model_fields)
+    help_text = " ".join(CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "default: 0.3,1,3" in help_text and "default: 4)" in help_text and "default: 256)" in help_text

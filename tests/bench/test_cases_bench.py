@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from helpers.cases import Case, assert_case, run_table
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 SMALL = ["--steps", "2", "--seeds", "1", "--seq-len", "32", "--batch-size", "2", "--max-eval-blocks", "2"]
 SMALL += ["--arms", "heads"]
 

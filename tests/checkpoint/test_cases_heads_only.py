@@ -21,6 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from deltafy.modeling_deltafy import HEADS_FILE
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 HEAD = "model.layers.0.delta.attn."
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 HUB_BASE = {"id": "someone/tiny-llama", "revision": COMMIT}

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from helpers.cases import Case, assert_case, run_table
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 REPO = "me/smol-ddl"
 TOKEN = "hf_" + "UsersOwnToken0123456789abcdefghijk"  # HF_TOKEN's, in the rows that have a login
 OTHERS = "hf_" + "SomebodyElses0123456789abcdefghij"  # shaped like a Hub token, not the user's

@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from deltafy.modeling_deltafy import HEADS_FILE
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"
 RANDOM_IDS = "mean α·β on random token ids: the checkpoint has no tokenizer to read the built-in prompts with"
 

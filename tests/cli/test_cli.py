@@ -23,6 +23,9 @@ from deltafy.architectures import SUPPORTED
 from deltafy.options import TrainOptions
 from deltafy.sources.load import ALIASES, load_source, resolve_alias
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 
 def partial_leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if "deltafy-partial" in p.name or "deltafy-old" in p.name)

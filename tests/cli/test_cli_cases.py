@@ -21,6 +21,9 @@ from helpers.cli import assert_one_line_error, stderr_lines
 from helpers.models import tiny_config
 from helpers.training import run_cli, shared_tokenizer
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 FUZZ = "fuzz [draft] ü"  # a folder name with a markup tag, a space and a non-ASCII letter
 CACHE = "cache [c] ü"  # DELTAFY_CACHE of every run here
 NARROW = {"COLUMNS": "60"}  # narrower than most lines: one that names a path must still hold it whole

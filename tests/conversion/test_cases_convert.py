@@ -17,6 +17,9 @@ from helpers.training import build_stock_model
 
 from deltafy.modeling_deltafy import HEADS_FILE
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 
 def _copy(name: str, into: str = "", key: str | None = None):
     """prepare: a copy of the table's folder ``name`` at ``{here}/<into>``."""

@@ -20,6 +20,9 @@ from safetensors import safe_open
 from deltafy.errors import DeltafyError
 from deltafy.sources.load import load_source, resolve_alias, sha256_file
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 # Each child reports its peak RSS (ru_maxrss, KiB on Linux) after its imports and at the end.
 REFERENCE = r"""
 import json, resource, sys

@@ -18,6 +18,9 @@ from transformers import DynamicCache
 import deltafy
 from deltafy.modeling_deltafy import delta_sites
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -16,6 +16,9 @@ from helpers.models import DELTAFY_FREE_PREAMBLE, open_gates, run_deltafy_free, 
 import deltafy
 from deltafy.modeling_deltafy import delta_sites, mean_betas
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 # The check runs in this process and, as source, in the deltafy-free child: torch and transformers only.
 CHECK = Path(check.__file__).read_text()
 

@@ -10,6 +10,9 @@ from helpers.training import shared_tokenizer
 
 from deltafy.data import token_stream
 
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def filled(tmp_path, monkeypatch):

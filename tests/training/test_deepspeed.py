@@ -22,7 +22,8 @@ from test_fsdp import (  # noqa: F401 (single: the one-process reference fixture
 
 from deltafy.training.checkpoints import newest_complete
 
-pytestmark = pytest.mark.usefixtures("token_cache")
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
 
 # Every parameter partitioned, none kept whole: transformers' default thresholds (10 × hidden size
 # elements) would leave the tiny model's heads unpartitioned, and the gathering untested.

@@ -23,7 +23,8 @@ from deltafy.training.job import run_training
 HEAD_LR = 0.05  # the heads move the loss within a few steps (as in test_train)
 STEPS = 3
 
-pytestmark = pytest.mark.usefixtures("token_cache")
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
 
 
 def opts(**overrides):

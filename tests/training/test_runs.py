@@ -26,7 +26,8 @@ from deltafy.training.checkpoints import HEADS_FILE, TRAINER_STATE
 from deltafy.training.job import run_training
 from deltafy.training.run_folder import RunLock
 
-pytestmark = pytest.mark.usefixtures("token_cache")
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
 
 SHORT = ("--seq-len", "32", "--batch-size", "2", "--lr", "0.05")
 
@@ -93,6 +94,14 @@ def test_out_that_is_the_input_is_refused_even_with_overwrite(tiny, tmp_path):
         line = assert_one_line_error(proc, "is the input model folder", "choose another --out")
         assert "--overwrite" not in line  # the refusal must not suggest destroying the input
     assert snapshot(tiny.delta) == before
+
+
+def test_resume_and_overwrite_together_are_refused_as_bench_refuses_them(tiny, finished, tmp_path):
+    """--overwrite would delete the checkpoints --resume continues from: train took both silently."""
+    before = snapshot(finished)
+    proc = train_cli(tiny, finished, "--resume", "--overwrite", cwd=tmp_path)
+    assert_one_line_error(proc, "--resume and --overwrite contradict each other")
+    assert snapshot(finished) == before
 
 
 def test_out_that_contains_the_input_or_is_a_file(tiny, tmp_path):

@@ -37,7 +37,8 @@ from deltafy.training.job import planned_steps, run_training
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate and strength lr = 0.5)
 
 
-pytestmark = pytest.mark.usefixtures("token_cache")
+# slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
 
 
 def opts(**overrides) -> TrainOptions:
