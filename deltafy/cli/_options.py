@@ -108,6 +108,7 @@ def with_model_options(
     panel: str | None = None,
     spellings: dict[str, str] | None = None,
     source: str | None = "the recipe's",
+    sourced: set[str] | None = None,
 ):
     """Give a command one flag per field of ``model`` in place of its ``**flags`` parameter.
 
@@ -116,7 +117,7 @@ def with_model_options(
     ``--flag/--no-flag`` unless ``spellings`` names them otherwise. Typer reads a command's
     parameters from its signature, so the generated ones are put there. The command receives
     every field in ``flags``, None where the flag was not given; ``source`` says in the help where
-    a flag left out takes its value from.
+    a flag left out takes its value from (for the fields in ``sourced``; default: every field).
     """
 
     def decorate(func):
@@ -125,7 +126,9 @@ def with_model_options(
         clash = {p.name for p in fixed} & model.model_fields.keys()
         assert not clash, f"command parameters shadow {model.__name__} fields: {clash}"
         generated = [
-            _field_option(name, field, (spellings or {}).get(name), panel, source)
+            _field_option(
+                name, field, (spellings or {}).get(name), panel, source if name in (sourced or {name}) else None
+            )
             for name, field in model.model_fields.items()
         ]
         func.__signature__ = signature.replace(parameters=fixed + generated)

@@ -9,7 +9,9 @@ from ._console import console
 from ._options import OFF, BaseOpt, DType, DTypeOpt, with_model_options
 
 
-@with_model_options(EvalOptions, source="the checkpoint's run's (its recipe's training section)")
+@with_model_options(
+    EvalOptions, source="the run's for a trained folder", sourced={"seq_len", "batch_size", "text_field"}
+)
 def eval_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="deltafy checkpoint, stock HF folder, .gguf file, alias or Hub id.")],
