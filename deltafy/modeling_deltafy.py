@@ -26,7 +26,7 @@
 # that stream, so at beta = 0 the expanded model is the original bitwise.
 #
 # The sections, and their public names (deltafy imports only names without a leading underscore):
-#   the spec       DeltafyError, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION, GATES, DIRECTIONS
+#   the spec       DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION, GATES, DIRECTIONS
 #   the math       ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
 #   the surgery    apply_deltafy, remove_deltafy, disabled, first_input, discard_captures,
 #                  delta_sites, delta_tensors, delta_parameters, mean_betas
@@ -55,6 +55,15 @@ class DeltafyError(ValueError):
     """Bad input or an unmet precondition; the message says what to do."""
 
 
+def first_line(err: BaseException, with_type: bool = False) -> str:
+    """The first non-empty line of ``err``'s message (its type's name when it has none), for a
+    one-line report; ``with_type`` puts the type's name in front (``ValueError: ...``)."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return f"{type(err).__name__}: {lines[0]}" if with_type else lines[0]
+
+
 # -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
 # A config is text anyone can edit: what it holds is checked as when deltafy wrote it (a NaN eps
 # would load and run, and every loss would be NaN).
@@ -73,6 +82,10 @@ def _is_count(value) -> bool:
 
 def _is_text(value) -> bool:
     return isinstance(value, str) and bool(value)
+
+
+def _is_hex(value, digits: int) -> bool:
+    return isinstance(value, str) and len(value) == digits and re.fullmatch(r"[0-9a-f]+", value) is not None
 
 
 def _check_choice(field: str, value, choices: tuple) -> None:
@@ -173,8 +186,9 @@ def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Te
     else:
         kr = c @ w["direction.down.weight"].T @ w["direction.up.weight"].T
     k = kr / torch.sqrt((kr * kr).sum(-1, keepdim=True) + site.eps**2)
-    xs = x if site.channels > 1 else x.unsqueeze(0)  # (d_v, ..., d)
-    v = (c @ w["target.weight"].T + w["target.bias"]).movedim(-1, 0).unsqueeze(-1) * xs.square().mean(-1, True).sqrt()
+    xs = x if site.channels > 1 else x.unsqueeze(0)  # (d_v, ..., d): one channel for the scalar DDL
+    rms = torch.sqrt((xs * xs).mean(-1, keepdim=True))
+    v = (c @ w["target.weight"].T + w["target.bias"]).movedim(-1, 0).unsqueeze(-1) * rms  # v_j per channel
     out = xs + m * h + beta * (v - (k * xs).sum(-1, keepdim=True)) * k
     return out if site.channels > 1 else out[0]
 
@@ -257,14 +271,9 @@ class DeltaSite(nn.Module):
 
     def __init__(self, spec: DeltaSpec, site: SiteSpec, read: int | None = None):
         super().__init__()
-        d = spec.hidden_size
+        d = self.hidden_size = spec.hidden_size
         self.name, self.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
-        self.hidden_size, self.eps, self.channels, self.gate_bias_init = (
-            d,
-            float(spec.eps),
-            spec.channels,
-            spec.gate_bias,
-        )
+        self.eps, self.gate_bias_init, self.channels = float(spec.eps), float(spec.gate_bias), spec.channels
         self.scale, self.context = float(site.scale), site.context
         self.gate = nn.Linear(d, 1)
         self.target = nn.Linear(d, spec.channels)  # v: one target per channel
@@ -428,11 +437,9 @@ class _SiteCall:
     def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
         for site in self.captures:
-            x = first_input(args, kwargs)
-            stash[id(site)] = (
-                x if channels is None else channels,
-                x if site.context == "input" else _output_tensor(output),
-            )
+            x = first_input(args, kwargs)  # (for an expanded stream, the view its channels were read as)
+            context = x if site.context == "input" else _output_tensor(output)
+            stash[id(site)] = (x if channels is None else channels, context)
         for site in self.writes:
             try:
                 stream, context = stash.pop(id(site))
@@ -654,7 +661,6 @@ def mean_betas(model: nn.Module, run) -> dict[str, float]:
 HEADS_FILE = "deltafy_heads.safetensors"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
 PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
-_HEX = re.compile(r"[0-9a-f]+")
 _KEYS = ("missing_keys", "unexpected_keys")  # of from_pretrained's loading info
 
 
@@ -686,18 +692,13 @@ def check_base_record(record) -> dict:
     """The config's record of a heads-only checkpoint's base, refused unless it is one of its two forms:
     a Hub model pinned to a commit, or a local one with the SHA-256 of its weight files (without them
     any folder at that path would do, another model's or one with tensors missing)."""
-    if not (isinstance(record, dict) and ("id" in record or "path" in record)):
-        raise DeltafyError(
-            'deltafy.base must be {"id", "revision"} (a Hub model) or {"path", "sha256"} '
-            f"(a local one), got {record!r}"
-        )
+    forms = '{"id", "revision"} (a Hub model) or {"path", "sha256"} (a local one)'
+    _check(isinstance(record, dict) and ("id" in record or "path" in record), "deltafy.base", forms, record)
     if "id" in record:
         _check(_is_text(record["id"]), "deltafy.base.id", "a non-empty string", record["id"])
         if "revision" not in record:
             raise DeltafyError(f"deltafy.base names the Hub model {record['id']} but no revision to pin it to")
-        revision = record["revision"]
-        if not (isinstance(revision, str) and len(revision) == 40 and _HEX.fullmatch(revision)):
-            raise DeltafyError(f"deltafy.base.revision must be a commit (40 hex digits), got {revision!r}")
+        _check(_is_hex(record["revision"], 40), "deltafy.base.revision", "a commit (40 hex digits)", record["revision"])
         return record
     _check(_is_text(record["path"]), "deltafy.base.path", "a non-empty string", record["path"])
     if "sha256" not in record:
@@ -706,8 +707,7 @@ def check_base_record(record) -> dict:
             f"which prove it is the base the heads were trained on"
         )
     hashes = record["sha256"]
-    good = isinstance(hashes, dict) and hashes and all(isinstance(k, str) and k for k in hashes)
-    if not (good and all(isinstance(v, str) and len(v) == 64 and _HEX.fullmatch(v) for v in hashes.values())):
+    if not (isinstance(hashes, dict) and hashes and all(_is_text(k) and _is_hex(v, 64) for k, v in hashes.items())):
         raise DeltafyError(
             f"deltafy.base.sha256 must map each weight file's name to its SHA-256 (64 hex digits), got {hashes!r}"
         )
@@ -718,11 +718,8 @@ def base_weight_files(location: Path) -> list[Path]:
     """The files whose hashes pin a local base: a .gguf file itself, or a folder's weight files."""
     if location.is_file():
         return [location]
-    return sorted(
-        p
-        for p in location.iterdir()
-        if p.is_file() and (p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))
-    )
+    weights = (p for p in location.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))
+    return sorted(p for p in weights if p.is_file())
 
 
 def sha256_files(paths: list[Path]) -> dict[str, str]:
@@ -734,11 +731,6 @@ def sha256_files(paths: list[Path]) -> dict[str, str]:
                 digest.update(block)
         hashes[path.name] = digest.hexdigest()
     return hashes
-
-
-def _short_error(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def _packaged_file(package: str, name: str) -> Path | None:
@@ -876,7 +868,7 @@ def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseExce
             )
     return BaseModelError(
         f"could not load the base model {record.get('id') or location}{pinned} that this heads-only "
-        f"checkpoint needs ({_short_error(err)})"
+        f"checkpoint needs ({first_line(err)})"
     )
 
 
