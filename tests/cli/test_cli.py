@@ -114,6 +114,32 @@ def test_no_progress_bars_on_stderr(converted):
     assert not _PROGRESS_BAR.search(proc.stderr), proc.stderr
 
 
+def test_no_library_bar_or_warning_unless_debug(tmp_path):
+    """tqdm reads TQDM_DISABLE once, when it is imported, and the commands' imports import it: the
+    command line sets it first (transformers' GGUF dequantization draws a bare tqdm bar), and keeps
+    DeepSpeed's import-time warning off. --debug shows everything."""
+    child = (
+        "import logging, sys\n"
+        "from deltafy.cli import main\n"  # (imports no tqdm: deltafy's entry point is what imports it)
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "import tqdm\n"
+        "bar = tqdm.tqdm(range(3), file=sys.stdout)\n"
+        "print('bar', bar.disable)\n"
+        "print('deepspeed', logging.getLogger('DeepSpeed').filter(logging.makeLogRecord({'levelno': 30})))\n"
+    )
+    env = cli_env()
+    env.pop("TQDM_DISABLE", None)
+    quiet = subprocess.run(
+        [sys.executable, "-c", child, "recipes"], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert "bar True" in quiet.stdout and "deepspeed False" in quiet.stdout, quiet.stdout
+    debug = subprocess.run(
+        [sys.executable, "-c", child, "--debug", "recipes"], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert "bar False" in debug.stdout and "deepspeed True" in debug.stdout, debug.stdout
+
+
 def test_dry_run_prints_sites_and_writes_nothing(tmp_path, src):
     before = sorted(p.name for p in src.iterdir())
     proc = cli("convert", src, "--dry-run", cwd=tmp_path)
