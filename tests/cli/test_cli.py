@@ -336,7 +336,7 @@ def test_debug_shows_the_error_a_message_was_raised_from(tmp_path):
     assert proc.returncode == 1
     err = proc.stderr
     assert "Traceback" in err and "The above exception was the direct cause of the following exception" in err, err
-    cause, message = err.index("yaml.parser.ParserError"), err.index("deltafy.errors.DeltafyError: could not read")
+    cause, message = err.index("yaml.parser.ParserError"), err.index("DeltafyError: could not read")
     assert cause < message, err  # the YAML error first, then the one-line message raised from it
     assert line.removeprefix("error: ") in err  # the same message, with or without --debug
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
