@@ -17,6 +17,7 @@ from ..errors import DeltafyError
 from ..files import STAGING_DIR
 from ..modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
 from ..sources.folders import readable
+from .launch import is_main_process
 
 KEEP_CHECKPOINTS = 2
 TRAINER_STATE = "trainer_state.json"
@@ -82,6 +83,26 @@ def set_aside(checkpoint: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(checkpoint, target)
     return target
+
+
+def resume_point(out: Path, state_dir: Path, notice) -> Path:
+    """The checkpoint a --resume continues from: the newest complete one, the incomplete ones after
+    it set aside (by the main process) and named; none at all is an error that says why."""
+    checkpoint, skipped = newest_complete(state_dir)
+    if checkpoint is None:
+        if skipped:
+            names = ", ".join(f"{p.name} (no {', '.join(m)})" for p, m in skipped)
+            raise DeltafyError(
+                f"nothing to resume in {out}: every checkpoint is incomplete: {names}; start over with --overwrite"
+            )
+        raise DeltafyError(f"nothing to resume in {out}: no checkpoint was saved there yet")
+    for path, missing in skipped:
+        aside = set_aside(path) if is_main_process() else path
+        notice(
+            f"skipping {path.name}: incomplete (no {', '.join(missing)}; an interrupted save), moved to "
+            f"{aside.name}; resuming from {checkpoint.name}"
+        )
+    return checkpoint
 
 
 def publish(staged: Path, final: Path) -> None:

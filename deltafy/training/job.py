@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import time
@@ -15,7 +14,8 @@ import torch
 from ..errors import DeltafyError
 from ..files import ADAPTER_DIR, METRICS_FILE, STATE_DIR
 from ..options import LaunchOptions, TrainOptions
-from .checkpoints import atomic_trainer, newest_complete, set_aside, step_of, write_failure
+from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of, write_failure
+from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
 from .plots import factor_label, write_training_figures
 from .run_folder import (
@@ -31,7 +31,15 @@ from .run_folder import (
     run_summary,
     write_record,
 )
-from .sharding import check_launch, fsdp_arguments, gather_trained, is_sharded, rebuild, sharded_trainer
+from .sharding import (
+    check_launch,
+    fsdp_arguments,
+    gather_trained,
+    is_sharded,
+    leave_process_group,
+    rebuild,
+    sharded_trainer,
+)
 from .trainable import per_layer, select_trainable, site_betas, unwrap_lora
 
 
@@ -45,32 +53,6 @@ class TrainResult:
     mean_beta_per_layer: list[float] = field(default_factory=list)
     out: Path | None = None
     already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def planned_steps(options: TrainOptions, world_size: int) -> int:
-    if options.steps:
-        return options.steps
-    if options.tokens:
-        per_step = options.seq_len * options.batch_size * options.grad_accum * world_size
-        return max(1, math.ceil(options.tokens / per_step))
-    return 200
-
-
-def check_seq_len(config: dict, seq_len: int) -> None:
-    """A block longer than the model's positions: GPT-2 would fail with an IndexError mid-run, a
-    rotary model would train silently on positions it never saw."""
-    from ..evaluate import position_limit
-
-    found = position_limit(config)
-    if found is not None and seq_len > found[1]:
-        key, limit = found
-        raise DeltafyError(
-            f"--seq-len {seq_len} is longer than the model's {limit} positions ({key}); pass --seq-len {limit} or less"
-        )
 
 
 class _Blocks(torch.utils.data.Dataset):
@@ -109,7 +91,7 @@ def run_training(
     from ..checkpoint import read_config
 
     out = Path(out).expanduser()
-    reads, bases = _read_by(model_dir, data, eval_data, base)
+    reads, bases = read_by(model_dir, data, eval_data, base)
     # before anything is loaded; a heads-only output points at the base: it may not be written inside it
     guard_out(out, model_dir, resume, overwrite, reads + ([] if heads_only else bases), bases if heads_only else [])
     config = read_config(model_dir)
@@ -128,63 +110,8 @@ def run_training(
             return run
         trainer, seconds_per_step = _fit(run, show_progress, stop)
         result = _finish(run, trainer, seconds_per_step, status)
-        _leave_process_group()
+        leave_process_group()
         return result
-
-
-def _read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=None) -> tuple[list, list]:
-    """What a run reads besides ``model_dir``, which its --out must not destroy: its local text, and
-    the local base a heads-only input loads (``base`` where it moved; where a heads-only output would
-    point too)."""
-    from ..checkpoint import read_config
-
-    texts = [("the training data", Path(d)) for d in data] + [("the held-out data", Path(d)) for d in eval_data or ()]
-    reads = [(what, path) for what, path in texts if path.expanduser().exists()]
-    if base is not None:
-        return reads, [("the base model", Path(base).expanduser())]
-    try:
-        record = read_config(model_dir)["deltafy"].get("base")
-    except DeltafyError:
-        record = None  # not a checkpoint: read_config says so in its turn
-    path = record.get("path") if isinstance(record, dict) else None
-    if not isinstance(path, str) or "package" in record:  # (a Hub base, or a bundled alias's file)
-        return reads, []
-    base = Path(path).expanduser()
-    return reads, [("the base model", base if base.is_absolute() else Path(model_dir).expanduser() / base)]
-
-
-def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:
-    """A heads-only save stores nothing of the base, so the base must stay exactly as it was."""
-    if options.train == "all":
-        raise DeltafyError("--heads-only cannot save train: all, which changes the base weights; drop --heads-only")
-    if options.train in ("lora", "heads+lora") and options.merge_lora:
-        raise DeltafyError(
-            f"--heads-only cannot save train: {options.train} with the LoRA merged into the base weights; "
-            f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"
-        )
-    if "base" not in config["deltafy"]:
-        raise DeltafyError(
-            f"--heads-only needs a heads-only model to train (its base is what the heads load onto), and "
-            f"{model_dir} is a full checkpoint; convert the original with `deltafy convert --heads-only`"
-        )
-
-
-def _resume_point(out: Path, state_dir: Path, notice) -> Path:
-    checkpoint, skipped = newest_complete(state_dir)
-    if checkpoint is None:
-        if skipped:
-            names = ", ".join(f"{p.name} (no {', '.join(m)})" for p, m in skipped)
-            raise DeltafyError(
-                f"nothing to resume in {out}: every checkpoint is incomplete: {names}; start over with --overwrite"
-            )
-        raise DeltafyError(f"nothing to resume in {out}: no checkpoint was saved there yet")
-    for path, missing in skipped:
-        aside = set_aside(path) if is_main_process() else path
-        notice(
-            f"skipping {path.name}: incomplete (no {', '.join(missing)}; an interrupted save), moved to "
-            f"{aside.name}; resuming from {checkpoint.name}"
-        )
-    return checkpoint
 
 
 def _finished_result(out: Path, steps: int) -> TrainResult:
@@ -245,7 +172,7 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     main = is_main_process()
     if main:
         remove_leftovers(out, state_dir, notice)
-    checkpoint = _resume_point(out, state_dir, notice) if resume else None
+    checkpoint = resume_point(out, state_dir, notice) if resume else None
     torch.manual_seed(options.seed)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
@@ -488,14 +415,3 @@ def _checkpointing_args(enabled: bool) -> dict:
     name = "activation" if "activation_checkpointing" in names else "gradient"
     kwargs = {"use_reentrant": False} if enabled else None
     return {f"{name}_checkpointing": enabled, f"{name}_checkpointing_kwargs": kwargs}
-
-
-def _leave_process_group() -> None:
-    """In a distributed run, every rank waits for the main process to write the model, then leaves
-    the process group: a gloo group left to interpreter shutdown can abort its process (SIGABRT,
-    "terminate called without an active exception"), which fails the whole torchrun job."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -178,3 +178,14 @@ def _skip_shared_memory_kernel() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def leave_process_group() -> None:
+    """In a distributed run, every rank waits for the main process to write the model, then leaves
+    the process group: a gloo group left to interpreter shutdown can abort its process (SIGABRT,
+    "terminate called without an active exception"), which fails the whole torchrun job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -32,7 +32,8 @@ from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
 from deltafy.options import TrainOptions, load_recipe, options_from
 from deltafy.sources.folders import file_mode
-from deltafy.training.job import planned_steps, run_training
+from deltafy.training.job import run_training
+from deltafy.training.launch import planned_steps
 
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate and strength lr = 0.5)
 
