@@ -37,12 +37,10 @@ _CHATTY = ("DeepSpeed",)
 
 def quiet_third_parties() -> None:
     """For a command-line run (not a library call): no third-party progress bar (deltafy shows its
-    own, and tqdm's would interleave with it), transformers' warnings only as errors, and the
-    import-time warnings of ``_CHATTY`` loggers dropped."""
+    own, and tqdm's, transformers' among them, would interleave with it), and the import-time
+    warnings of ``_CHATTY`` loggers dropped. Standard library only: it runs before the commands'
+    imports, as early in start-up as the interrupt handlers."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # read once, by tqdm's import: call this before it
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     for name in _CHATTY:
         logger = logging.getLogger(name)
         if _below_error not in logger.filters:

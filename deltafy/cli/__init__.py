@@ -27,23 +27,33 @@ def main(argv: list[str] | None = None) -> None:
 
         run(args)
     except KeyboardInterrupt:
-        from rich.markup import escape
-
-        from ._console import err_console, state
-
-        if state.debug:
+        _interrupted(argv)
+    except Exception:
+        # A signal during start-up can surface as another error: numpy's C import turns it into an
+        # ImportError. (run() makes the same call for what a command raises.)
+        if interrupts.received is None:
             raise
-        kept = state.kept or "nothing was written"  # what the command said it leaves as it was
-        line = f"interrupted by {interrupts.name()}; {kept}"
-        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
-        if argv is not None:  # called from Python: leave the process to its caller
-            sys.exit(interrupts.exit_code())
-        # The process's own entry point: everything was unwound and cleaned up on the way here. Exit
-        # now, with the code: CPython kills itself with SIGINT at exit (-2, whatever the signal) once a
-        # KeyboardInterrupt went through code it ran with PyRun_* (torch's import does), caught or not.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(interrupts.exit_code())
+        _interrupted(argv)
+
+
+def _interrupted(argv: list[str] | None) -> None:
+    from rich.markup import escape
+
+    from ._console import err_console, state
+
+    if state.debug:
+        raise
+    kept = state.kept or "nothing was written"  # what the command said it leaves as it was
+    line = f"interrupted by {interrupts.name()}; {kept}"
+    err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if argv is not None:  # called from Python: leave the process to its caller
+        sys.exit(interrupts.exit_code())
+    # The process's own entry point: everything was unwound and cleaned up on the way here. Exit
+    # now, with the code: CPython kills itself with SIGINT at exit (-2, whatever the signal) once a
+    # KeyboardInterrupt went through code it ran with PyRun_* (torch's import does), caught or not.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(interrupts.exit_code())
 
 
 def __getattr__(name: str):

@@ -574,3 +574,25 @@ def test_help_shows_every_default(monkeypatch, capsys):
             checked += 1
     assert {"convert", "eval", "train", "inspect", "recipes"} <= {argv[0] for argv, _ in commands}
     assert checked > 40  # train alone has 24 generated options
+
+
+def test_a_signal_that_surfaces_as_another_error_during_start_up_is_an_interrupt(monkeypatch, capsys):
+    """An interrupt in the middle of an import can come out as another exception (numpy's C import
+    turns a KeyboardInterrupt into an ImportError): with a signal received, it is the interrupt."""
+    from deltafy import interrupts, quiet
+    from deltafy.cli import main
+
+    def interrupted_import():
+        interrupts.note(signal.SIGINT)
+        raise ImportError("_multiarray_umath failed to import")
+
+    monkeypatch.setattr(quiet, "quiet_third_parties", interrupted_import)
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipes"])
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err
+    assert "interrupted by Ctrl-C (SIGINT); nothing was written" in err and "Traceback" not in err
+    # without a signal the same error is a bug, and is not passed off as an interrupt
+    monkeypatch.setattr(quiet, "quiet_third_parties", lambda: (_ for _ in ()).throw(ImportError("broken")))
+    with pytest.raises(ImportError, match="broken"):
+        main(["recipes"])
