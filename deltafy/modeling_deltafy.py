@@ -269,6 +269,11 @@ class DeltaSite(nn.Module):
     layer's own modules; with d_v channels x is (d_v, ...) and h' holds a write per channel.
     """
 
+    # The one seam for a fast path: a function (site, x, c, h) -> h' that computes what the formula
+    # below does, set on an instance by deltafy (deltafy.fused) where it is supported; None runs the
+    # formula. It must read the parameters from ``site`` on every call.
+    fused = None
+
     def __init__(self, spec: DeltaSpec, site: SiteSpec, read: int | None = None):
         super().__init__()
         d = self.hidden_size = spec.hidden_size
@@ -327,6 +332,8 @@ class DeltaSite(nn.Module):
         Per token this is a few dot products and scalars, written as vecdots and fused multiply-adds
         (no matmuls, no dtype calls that do nothing): decoding one token costs about a dispatch per
         op, so the number of ops is the cost."""
+        if self.fused is not None:
+            return self.fused(self, x, c, h)
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.forward(x, c, h)
