@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import deltafy
-from deltafy.modeling_deltafy import mean_betas
 from deltafy.sources.load import load_source
+from deltafy.surgery import mean_betas
 
 HELD_OUT = ("hamlet.md", "the-tempest.md")
 

@@ -1,37 +1,25 @@
-# Deep Delta Learning residuals for pretrained Hugging Face decoders.
+# Deep Delta Learning residuals for pretrained Hugging Face decoders (deltafy). Copied verbatim into every
+# checkpoint deltafy writes, with a few generated lines that bind it to the base family's classes; it
+# needs only torch, transformers and the standard library, and is the one implementation of the math.
 #
-# This file is copied verbatim into every checkpoint deltafy writes, followed by a few generated
-# lines that bind it to the base model class. It imports only torch, transformers and the standard
-# library, and it is the one implementation of the math: training, evaluation, decoding and
-# torch.compile all run it.
+# Every residual write x <- x + m h of a decoder layer (m: the layer's own scale, usually 1) becomes
 #
-# Every residual write x <- x + m*h (m: the layer's own scale on the write, usually 1) becomes
+#     x <- x + m h + alpha beta (v - k^T x) k             (Zhang et al., "Deep Delta Learning", 2026)
 #
-#     x <- x + m*h + beta * (v - k^T x) * k        (Zhang et al., "Deep Delta Learning", 2026)
+# k: a unit direction, the write m h / |m h| or a learned head on c; v: the target of the readout k^T x,
+# in units of the stream's RMS; beta = 2 sigmoid(gate(c)); c: the context the sublayer read, at unit
+# length; alpha: a zero-initialized strength (gate "strength": a fresh conversion is the original
+# bitwise) or 1 (gate "logit", the spec's default as in deltafy 0.1: the logit starts at -18).
+# The expanded state (d_v > 1 "channels") stacks d_v copies of the stream along the batch dimension;
+# each sublayer reads the view sum_j r_j x_j and every channel gets the write and its own correction.
 #
-# k: unit direction, the sublayer's own write (k = m h / |m h|) or a learned head on c;
-# v: scalar target for the readout k^T x, in units of the stream's RMS;
-# beta = 2 * sigmoid(gate(c)) in (0, 2); c: the context the sublayer saw, normalized to unit length.
-# A fresh conversion is the original model in one of two ways (the spec's ``gate``): "strength", the
-# default recipes', multiplies the correction by a zero-initialized alpha per site (bitwise the
-# original in every dtype, whatever beta starts at); "logit", deltafy 0.1's and the spec's default
-# (so older configs read as written), starts the gate logit at -18, beta = 3e-8.
-#
-# The expanded state (the paper's d_v > 1, "channels"): the stream is X = [x_0 ... x_{d_v-1}], d_v
-# copies of the embedding at the first layer, stacked along the batch dimension so that the layers'
-# own additions act on every channel. Each sublayer reads the view x = sum_j r_j x_j (read weights
-# r summing to 1), receives the write h on every channel, and the correction per channel is
-#     x_j <- x_j + m*h + beta * (v_j - k^T x_j) * k         with a vector target v in R^{d_v};
-# the last layer hands the final norm the view of its own read. Channels that agree read exactly as
-# that stream, so at beta = 0 the expanded model is the original bitwise.
-#
-# The sections, and their public names (deltafy imports only names without a leading underscore):
-#   the spec       DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION, GATES, DIRECTIONS
-#   the math       ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
-#   the surgery    apply_deltafy, remove_deltafy, disabled, first_input, discard_captures,
-#                  delta_sites, delta_tensors, delta_parameters, mean_betas
-#   checkpoints    HEADS_FILE, PASS_BASE, BaseModelError, check_heads, check_base_record,
-#                  base_weight_files, sha256_files, deltafy_classes (and the heads-only loader)
+# Sections and their public names (deltafy imports no other):
+#   the spec      DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
+#   the math      ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
+#   the surgery   apply_deltafy, remove_deltafy, disabled, first_input, discard_captures, delta_sites,
+#                 delta_tensors
+#   checkpoints   HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files,
+#                 sha256_files, deltafy_classes (and the heads-only loader)
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 DELTAFY_FORMAT_VERSION = 1
-GATES = ("logit", "strength")
-DIRECTIONS = ("sublayer", "learned")
 
 
 class DeltafyError(ValueError):
@@ -56,40 +42,35 @@ class DeltafyError(ValueError):
 
 
 def first_line(err: BaseException, with_type: bool = False) -> str:
-    """The first non-empty line of ``err``'s message (its type's name when it has none), for a
-    one-line report; ``with_type`` puts the type's name in front (``ValueError: ...``)."""
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    return f"{type(err).__name__}: {lines[0]}" if with_type else lines[0]
+    """The first non-empty line of ``err``'s message (else its type's name), ``with_type``: after the type."""
+    line = next((line for line in str(err).strip().splitlines() if line.strip()), None)
+    return type(err).__name__ if line is None else f"{type(err).__name__}: {line}" if with_type else line
 
 
-# -- the spec: everything the surgery needs, stored as the "deltafy" section of the config -------
-# A config is text anyone can edit: what it holds is checked as when deltafy wrote it (a NaN eps
-# would load and run, and every loss would be NaN).
-def _check(ok, field: str, what: str, value) -> None:
-    if not ok:
-        raise DeltafyError(f"{field} must be {what}, got {value!r}")
+# -- the spec: what the surgery needs, stored as the "deltafy" section of the config ---------------
+# A config is text anyone can edit, so it is checked as when deltafy wrote it (a NaN eps would load
+# and run, and every loss would be NaN). A rule is (test, what the value must be).
+_finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+_TEXT = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
+_COUNT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
+_NUMBER = (_finite, "a finite number")
+_POSITIVE = (lambda v: _finite(v) and v > 0, "a finite number > 0")
+_HEX = lambda n: lambda v: isinstance(v, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", v) is not None  # noqa: E731
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _one_of(*choices) -> tuple:
+    return (lambda v: v in choices, " or ".join(map(repr, choices)))
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _need(field: str, rule: tuple, value) -> None:
+    if not rule[0](value):
+        raise DeltafyError(f"{field} must be {rule[1]}, got {value!r}")
 
 
-def _is_text(value) -> bool:
-    return isinstance(value, str) and bool(value)
-
-
-def _is_hex(value, digits: int) -> bool:
-    return isinstance(value, str) and len(value) == digits and re.fullmatch(r"[0-9a-f]+", value) is not None
-
-
-def _check_choice(field: str, value, choices: tuple) -> None:
-    _check(value in choices, field, " or ".join(map(repr, choices)), value)
+def _check(where: str, rules: dict, values: dict) -> None:
+    for field, rule in rules.items():
+        _need(where + field, rule, values[field])
 
 
 @dataclass(frozen=True)
@@ -104,14 +85,11 @@ class SiteSpec:
     norm_after: str | None = None  # post-LN: the norm applied to x + h (read by the self-check)
 
     def __post_init__(self):
-        _check(_is_text(self.name), "a site's name", "a non-empty string", self.name)
-        where = f"site {self.name!r}"
-        _check(_is_text(self.write), f"{where}: write", "a non-empty string", self.write)
-        _check(isinstance(self.stream, str), f"{where}: stream", "a string", self.stream)
-        _check_choice(f"{where}: context", self.context, ("output", "input"))
-        _check(_is_number(self.scale) and self.scale > 0, f"{where}: scale", "a finite number > 0", self.scale)
-        if self.norm_after is not None:
-            _check(_is_text(self.norm_after), f"{where}: norm_after", "a non-empty string", self.norm_after)
+        _need("a site's name", _TEXT, self.name)
+        rules = {"write": _TEXT, "stream": (lambda v: isinstance(v, str), "a string")}
+        rules |= {"context": _one_of("output", "input"), "scale": _POSITIVE}
+        rules |= {"norm_after": (lambda v: v is None or _TEXT[0](v), _TEXT[1])}
+        _check(f"site {self.name!r}: ", rules, vars(self))
 
 
 @dataclass(frozen=True)
@@ -121,37 +99,30 @@ class DeltaSpec:
     layers: str  # path of the decoder layer list, e.g. "model.layers"
     hidden_size: int
     sites: tuple[SiteSpec, ...]
-    direction: str = "sublayer"  # k = the sublayer's normalized write (paper), or "learned" from c
+    direction: str = "sublayer"  # k = the sublayer's normalized write (the paper's), or "learned" from c
     rank: int | None = None  # rank of a learned direction (None: a full d x d matrix)
-    gate_bias: float = -18.0  # initial gate logit: beta = 2 sigmoid(-18) = 3e-8
+    gate_bias: float = -18.0  # the initial gate logit: beta = 2 sigmoid(-18) = 3e-8
     eps: float = 1e-6  # k = kr / sqrt(|kr|^2 + eps^2)
-    # "logit": the correction is off at init because beta is tiny (gate_bias). "strength": a
-    # zero-initialized scalar alpha per site multiplies it (exactly off at init, as LoRA's B = 0),
-    # so beta can start at any value and every head gets a gradient once alpha moves.
-    gate: str = "logit"
+    gate: str = "logit"  # "strength": alpha = 0 at init turns the correction off, as LoRA's B = 0 does
     channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
 
     def __post_init__(self):
-        _check(_is_text(self.layers), "layers", "a non-empty string", self.layers)
-        _check(_is_count(self.hidden_size), "hidden_size", "a positive integer", self.hidden_size)
-        _check_choice("direction", self.direction, DIRECTIONS)
-        _check_choice("gate", self.gate, GATES)
-        _check(self.rank is None or _is_count(self.rank), "rank", "a positive integer or null", self.rank)
+        rules = {"layers": _TEXT, "hidden_size": _COUNT, "direction": _one_of("sublayer", "learned")}
+        rules |= {"gate": _one_of("logit", "strength"), "gate_bias": _NUMBER, "eps": _POSITIVE, "channels": _COUNT}
+        rules |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
+        rules |= {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}
+        _check("", rules, vars(self))
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
-        _check(_is_number(self.gate_bias), "gate_bias", "a finite number", self.gate_bias)
-        _check(_is_number(self.eps) and self.eps > 0, "eps", "a finite number > 0", self.eps)
-        _check(_is_count(self.channels), "channels", "a positive integer", self.channels)
-        _check(isinstance(self.sites, (list, tuple)), "sites", "a list of sites", self.sites)
-        object.__setattr__(self, "sites", tuple(_site(s) for s in self.sites))
+        object.__setattr__(self, "sites", tuple(map(_site, self.sites)))
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:
         """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
-        _check(isinstance(section, dict), "the config's deltafy section", "an object", section)
-        for f in fields(cls):
-            if f.default is MISSING and f.name not in section:
-                raise DeltafyError(f"the config's deltafy section has no {f.name!r}")
+        _need("the config's deltafy section", _OBJECT, section)
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in section]
+        if missing:
+            raise DeltafyError(f"the config's deltafy section has no {missing[0]!r}")
         return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
 
     def to_dict(self) -> dict:
@@ -161,7 +132,7 @@ class DeltaSpec:
 def _site(site) -> SiteSpec:
     if isinstance(site, SiteSpec):
         return site
-    _check(isinstance(site, dict), "every site", "an object", site)
+    _need("every site", _OBJECT, site)
     unknown = sorted(site.keys() - {f.name for f in fields(SiteSpec)})
     missing = [f.name for f in fields(SiteSpec) if f.default is MISSING and f.name not in site]
     if unknown or missing:
@@ -173,7 +144,7 @@ def _site(site) -> SiteSpec:
 # -- the math ------------------------------------------------------------------------------------
 def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """The stream after ``site``'s write, x + m h + alpha beta (v - k^T x) k, written out plainly in
-    float64 from its heads: what DeltaSite.forward computes fused. With d_v channels x is (d_v, ...)
+    float64 from its heads: what DeltaSite.formula computes fused. With d_v channels x is (d_v, ...)
     and every channel receives the same write h and its own target v_j."""
     w = {name: p.detach().double() for name, p in site.named_parameters()}
     x, c, h, m = x.double(), c.double(), h.double(), site.scale
@@ -191,6 +162,11 @@ def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Te
     v = (c @ w["target.weight"].T + w["target.bias"]).movedim(-1, 0).unsqueeze(-1) * rms  # v_j per channel
     out = xs + m * h + beta * (v - (k * xs).sum(-1, keepdim=True)) * k
     return out if site.channels > 1 else out[0]
+
+
+def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # a Python check, not type_as: on the decode path every dispatched call costs microseconds
+    return param if param.dtype == x.dtype else param.to(x.dtype)
 
 
 class DeltaDirection(nn.Module):
@@ -221,29 +197,26 @@ class DeltaDirection(nn.Module):
 
 
 class DeltaRead(nn.Module):
-    """Read weights r of an expanded stream's channels X (d_v along dim 0): the view
-    ``sum_j r_j x_j`` with the weights summing to 1, which keeps the view at the scale the pretrained
-    layers were trained on. Computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``, so that channels that
-    agree read as exactly that stream; ``weight`` holds r_1 .. r_{d_v-1} (r_0 is the rest).
+    """The view ``sum_j r_j x_j`` of an expanded stream's channels (d_v along dim 0), its read weights
+    summing to 1 so that the view keeps the scale the pretrained layers were trained on. Computed as
+    ``x_0 + sum_{j>0} r_j (x_j - x_0)``: channels that agree read as exactly that stream.
 
-    The weights start distinct, r_j = (2j + 1) / d_v^2 rolled by ``offset`` places (each read of a
-    model by one more than the last): the channels start equal, so any weights read the same view,
-    but equal weights, or the same weights at every read, would hand the channels proportional
-    gradients, which Adam turns into identical steps: the channels would stay copies for good."""
+    The weights start distinct, r_j = (2j + 1) / d_v^2 rolled by ``offset`` places (one more at each
+    read of a model): equal weights, or the same ones at every read, would hand the equal channels
+    proportional gradients, which Adam turns into identical steps, and they would stay copies."""
 
     def __init__(self, channels: int, offset: int = 0):
         super().__init__()
         if channels < 2:
             raise DeltafyError(f"an expanded stream has at least 2 channels, got {channels}")
         self.channels, self.offset = channels, offset
-        self.weight = nn.Parameter(torch.empty(channels - 1))
+        self.weight = nn.Parameter(torch.empty(channels - 1))  # r_1 .. r_{d_v-1}; r_0 is the rest
         self.reset_parameters()
         self._is_hf_initialized = True
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        d_v = self.channels
-        r = torch.arange(1, 2 * d_v, 2, dtype=torch.float64) / d_v**2
+        r = torch.arange(1, 2 * self.channels, 2, dtype=torch.float64) / self.channels**2
         self.weight.copy_(torch.roll(r, self.offset)[1:])
 
     def extra_repr(self) -> str:
@@ -253,25 +226,19 @@ class DeltaRead(nn.Module):
         if torch.is_autocast_enabled(channels.device.type):
             with torch.autocast(channels.device.type, enabled=False):
                 return self.forward(channels)
-        work = torch.promote_types(channels.dtype, torch.float32)
-        first = channels[0].to(work)
-        view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(work) - first, dims=1)
+        first = channels[0].to(torch.promote_types(channels.dtype, torch.float32))
+        view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(first.dtype) - first, dims=1)
         return view.to(channels.dtype)
 
 
 class DeltaSite(nn.Module):
     """The DDL heads of one residual write (``site`` of the conversion ``spec``): gate beta, target v,
-    optional direction k and strength alpha, and for an expanded stream whose stream module this site
-    is first to read, that module's read weights (``read``: their offset).
+    optional direction k and strength alpha, and, when it is the first site to read an expanded stream's
+    module, that module's read weights (``read``: their offset). Attached as ``layer.delta[site.name]``.
+    ``forward(x, c, h)`` returns the write h' that the layer adds in place of its own write h."""
 
-    Attached to its decoder layer as ``layer.delta[name]``. ``forward(x, c, h)`` returns the write h'
-    that the layer adds in place of h, given the stream x, the context c and the write h of the
-    layer's own modules; with d_v channels x is (d_v, ...) and h' holds a write per channel.
-    """
-
-    # The one seam for a fast path: a function (site, x, c, h) -> h' that computes what the formula
-    # below does, set on an instance by deltafy (deltafy.fused) where it is supported; None runs the
-    # formula. It must read the parameters from ``site`` on every call.
+    # The one seam for a fast path: a function (site, x, c, h) -> h' equal to formula(x, c, h), set on an
+    # instance by deltafy where it is supported (deltafy.fused); it reads the parameters on every call.
     fused = None
 
     def __init__(self, spec: DeltaSpec, site: SiteSpec, read: int | None = None):
@@ -283,7 +250,7 @@ class DeltaSite(nn.Module):
         self.gate = nn.Linear(d, 1)
         self.target = nn.Linear(d, spec.channels)  # v: one target per channel
         self.direction = DeltaDirection(d, spec.rank) if spec.direction == "learned" else None
-        # alpha; one element, not a 0-d tensor: FSDP2 shards only parameters of at least one dimension
+        # alpha: one element, not a 0-d tensor (FSDP2 shards only parameters of at least one dimension)
         self.strength = nn.Parameter(torch.zeros(1)) if spec.gate == "strength" else None
         self.read = DeltaRead(spec.channels, read) if read is not None else None
         self.reset_parameters()
@@ -308,82 +275,64 @@ class DeltaSite(nn.Module):
         channels = "" if self.channels == 1 else f", channels={self.channels}"
         return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}"
 
-    def heads(self, c: torch.Tensor):
-        """Gate logit g and target u per token (shaped like c without its last dim): beta = 2 sigmoid(g),
-        and the target v = u rms(x) is in units of the stream's rms, so one learning rate fits models of
-        any scale. Both read the unit-length context c/|c| (an Adam step of size lr then moves them by at
-        most lr*sqrt(d), whatever the model's norms); dividing the dot products by |c| normalizes c for
-        free. Returns (g, u, 1/|c|) in c's precision (the caller's: fp32 or wider); with d_v channels u
-        has a leading channel dimension."""
-        gate, target, dot = self.gate, self.target, torch.linalg.vecdot
-        inv_norm_c = torch.rsqrt(dot(c, c) + 1e-6)
-        g = torch.addcmul(_like(gate.bias, c), dot(c, _like(gate.weight, c)), inv_norm_c)
-        if self.channels == 1:
-            u = torch.addcmul(_like(target.bias, c), dot(c, _like(target.weight, c)), inv_norm_c)
-        else:
-            u = torch.addcmul(_like(target.bias, c), F.linear(c, _like(target.weight, c)), inv_norm_c.unsqueeze(-1))
-            u = u.movedim(-1, 0)
-        return g, u, inv_norm_c
+    def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g, u, c/|c|) per token, in c's precision, from one matmul of the stacked gate and target heads
+        on the unit context: the gate logit (beta = 2 sigmoid(g)) and the target (v = u rms(x), channels
+        first when d_v > 1). Reading the unit context, an Adam step of size lr moves them by at most
+        lr sqrt(d) whatever the model's norms; v in units of the stream's RMS lets one learning rate fit
+        models of any scale."""
+        unit = c * torch.rsqrt(torch.linalg.vecdot(c, c) + 1e-6).unsqueeze(-1)
+        weight = torch.cat((self.gate.weight, self.target.weight))
+        gu = F.linear(unit, _like(weight, c), _like(torch.cat((self.gate.bias, self.target.bias)), c))
+        return gu[..., 0], (gu[..., 1] if self.channels == 1 else gu[..., 1:].movedim(-1, 0)), unit
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h' such that the layer's ``x + m h'`` is ``x + m h + beta (v - k^T x) k`` (ddl_reference),
-        computed in fp32 (or in h's precision where that is wider) and cast back to h's dtype.
+        """The write h' that the layer adds in place of its own h: the fused path where deltafy set one,
+        else the formula."""
+        return self.formula(x, c, h) if self.fused is None else self.fused(self, x, c, h)
 
-        Per token this is a few dot products and scalars, written as vecdots and fused multiply-adds
-        (no matmuls, no dtype calls that do nothing): decoding one token costs about a dispatch per
-        op, so the number of ops is the cost."""
-        if self.fused is not None:
-            return self.fused(self, x, c, h)
+    def formula(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h' such that the layer's ``x + m h'`` is ``x + m h + alpha beta (v - k^T x) k`` (ddl_reference),
+        computed in fp32 (or h's precision where wider) and returned in h's dtype; with d_v channels x is
+        (d_v, ...) and h' holds a write per channel. Per token it is a matmul, a few dot products and
+        fused multiply-adds: a decode step costs about a dispatch per op."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
-                return self.forward(x, c, h)
-        dtype = h.dtype
-        work = torch.promote_types(dtype, torch.float32)
-        if not x.dtype == c.dtype == dtype == work:
-            x, c, h = x.to(work), c.to(work), h.to(work)
-        dot = torch.linalg.vecdot
-        g, u, inv_norm_c = self.heads(c)
-        # k = kr / n with n = sqrt(|kr|^2 + eps^2): the sublayer's own write (kr = h, with the
-        # layer's scale m on it folded into eps) or a learned head on the unit context.
+                return self.formula(x, c, h)
+        work = torch.promote_types(h.dtype, torch.float32)  # (x is read in place: its products promote)
+        g, u, unit = self.heads(c if c.dtype == work else c.to(work))
+        # k = kr / n, n = sqrt(|kr|^2 + eps^2): the sublayer's write (kr = h, the layer's scale m folded
+        # into eps) or a learned head on the unit context
         if self.direction is None:
-            kr, eps = h, self.eps / self.scale
+            kr, eps = (h if h.dtype == work else h.to(work)), self.eps / self.scale
         else:
-            kr, eps = self.direction(c * inv_norm_c.unsqueeze(-1)), self.eps
-        inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
+            kr, eps = self.direction(unit), self.eps
+        inv_n = torch.rsqrt(torch.linalg.vecdot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
-        x_norm = torch.linalg.vector_norm(x, dim=-1)
-        miss = torch.addcmul(dot(kr, x) * inv_n, u, x_norm, value=-(self.hidden_size**-0.5))
+        norm_x = torch.linalg.vector_norm(x, dim=-1, dtype=work)
+        miss = torch.addcmul((kr * x).sum(-1) * inv_n, u, norm_x, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
         coef = torch.sigmoid(g) * miss * inv_n
-        if self.strength is not None:  # alpha beta (v - k.x) k: zero at init, bitwise the original
+        if self.strength is not None:  # alpha = 0 at init: h' = h bitwise
             coef = coef * _like(self.strength, coef)
         out = torch.addcmul(h, kr, coef.unsqueeze(-1), value=-2.0 / self.scale)
-        return out if out.dtype == dtype else out.to(dtype)
-
-
-def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``param`` in x's precision (the heads of a bf16 model are bf16; the math runs in fp32).
-    A Python check, not ``type_as``: on the decode path every dispatched call costs microseconds."""
-    return param if param.dtype == x.dtype else param.to(x.dtype)
+        return out if out.dtype == h.dtype else out.to(h.dtype)
 
 
 # -- the surgery ---------------------------------------------------------------------------------
-# Stream and context travel from a site's capture to its write. They are kept per thread, so that
+# A site's stream and context travel from its capture to its write, kept per thread so that
 # concurrent forwards on one model never see each other's.
 _STASH = threading.local()
 
 
 def _stash() -> dict:
-    try:
-        return _STASH.sites
-    except AttributeError:
+    if not hasattr(_STASH, "sites"):
         _STASH.sites = {}
-        return _STASH.sites
+    return _STASH.sites
 
 
 def discard_captures() -> None:
-    """Drop what a forward that failed halfway captured for its writes (this thread's), which would
-    otherwise stay in memory until the next forward."""
+    """Drop what a forward that failed halfway captured (this thread's): it would stay in memory."""
     _stash().clear()
 
 
@@ -394,16 +343,16 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
     if args and isinstance(args[0], torch.Tensor):
-        return (x,) + args[1:], kwargs
+        return (x, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": x}
 
 
-def _output_tensor(output) -> torch.Tensor:
+def _output(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
 def _with_output(output, h: torch.Tensor):
-    return (h,) + output[1:] if isinstance(output, tuple) else h
+    return (h, *output[1:]) if isinstance(output, tuple) else h
 
 
 def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
@@ -411,23 +360,22 @@ def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 class _SiteCall:
-    """The ``forward`` deltafy installs on a module that takes part in a site: the module's own
-    forward (or the wrapper someone installed before us), then the capture of x and c for every
-    site whose stream it is, and the write ``h <- site(x, c, h)`` of every site whose write it is
-    (OPT's post-LN attention is both). An expanded stream's roles are the ``_expanded`` call's.
+    """The ``forward`` deltafy installs on a module that takes part in a site: the module's own forward
+    (or the wrapper installed before ours, e.g. accelerate's hooks), then the capture of x and c for the
+    sites whose stream it is and the write ``h <- site(x, c, h)`` of those whose write it is (OPT's
+    post-LN attention is both). An instance attribute, not forward hooks: torch.compile traces it as
+    plain code, and a module without hooks keeps torch's fast call path. ``enabled`` False (disabled())
+    turns the corrections off; with no sites (remove_deltafy under a later wrapper) it passes through.
 
-    An instance attribute rather than forward hooks: torch.compile traces it as plain code, and a
-    module without hooks keeps torch's fast call path. ``enabled`` False (deltafy.disabled) turns the
-    corrections off. An empty call (deltafy.unconvert under someone else's wrapper) is a pass-through.
-    """
+    An expanded stream (``channels`` > 1) travels as its channels stacked along dim 0: the first layer's
+    input becomes d_v copies (``expand``), a stream module runs on the view of its ``read`` while its
+    sites see the channels, and the last layer returns the view of the ``final`` read."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
-        self.inner = module.__dict__.get("forward")  # e.g. accelerate's hooks; they keep running inside
+        self.module, self.inner = module, module.__dict__.get("forward")
         self.captures: list[DeltaSite] = []
         self.writes: list[DeltaSite] = []
-        self.enabled = True
-        self.channels, self.expand, self.read, self.final = 1, False, None, None  # see _expanded
+        self.enabled, self.channels, self.expand, self.read, self.final = True, 1, False, None, None
 
     def _forward(self, *args, **kwargs):
         if self.inner is None:
@@ -437,33 +385,25 @@ class _SiteCall:
     def __call__(self, *args, **kwargs):
         if self.channels > 1:
             return self._expanded(args, kwargs)
-        if not (self.enabled and (self.captures or self.writes)):
-            return self._forward(*args, **kwargs)
-        return self._sites(args, kwargs, self._forward(*args, **kwargs))
+        output = self._forward(*args, **kwargs)
+        return self._sites(args, kwargs, output) if self.enabled else output
 
     def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
         for site in self.captures:
-            x = first_input(args, kwargs)  # (for an expanded stream, the view its channels were read as)
-            context = x if site.context == "input" else _output_tensor(output)
-            stash[id(site)] = (x if channels is None else channels, context)
+            x = first_input(args, kwargs)  # (of an expanded stream: the view its channels were read as)
+            stash[id(site)] = (x if channels is None else channels, x if site.context == "input" else _output(output))
         for site in self.writes:
-            try:
-                stream, context = stash.pop(id(site))
-            except KeyError:
+            if id(site) not in stash:
                 raise RuntimeError(
                     "a residual write ran before its stream was captured; the site map does not match this "
                     "model's layer code"
-                ) from None
-            h = site(stream, context, _output_tensor(output))
+                )
+            h = site(*stash.pop(id(site)), _output(output))
             output = _with_output(output, h.flatten(0, 1) if self.channels > 1 else h)
         return output
 
     def _expanded(self, args: tuple, kwargs: dict):
-        """The call on an expanded stream, whose d_v channels travel stacked along dim 0: the first
-        layer's input becomes d_v copies (``expand``), a stream module runs on the view of its
-        ``read`` and its sites see the channels, and the last layer returns the view of the final read
-        (``final``). Disabled, every channel receives the write as it is."""
         channels = None
         if self.expand:
             args, kwargs = _with_first(args, kwargs, _tile(first_input(args, kwargs), self.channels))
@@ -473,14 +413,14 @@ class _SiteCall:
         output = self._forward(*args, **kwargs)
         if self.enabled:
             output = self._sites(args, kwargs, output, channels)
-        elif self.writes:
-            output = _with_output(output, _tile(_output_tensor(output), self.channels))
+        elif self.writes:  # disabled, every channel receives the write as it is
+            output = _with_output(output, _tile(_output(output), self.channels))
         if self.final is not None:
-            output = _with_output(output, self.final(_output_tensor(output).unflatten(0, (self.channels, -1))))
+            output = _with_output(output, self.final(_output(output).unflatten(0, (self.channels, -1))))
         return output
 
     def extra_repr(self) -> str:
-        """The module's own extra_repr plus the sites it carries: print(model) shows the surgery."""
+        """The module's own extra_repr and its roles in the sites: print(model) shows the surgery."""
         roles = [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
         roles += ["expands the stream"] * self.expand + ["reads the view"] * (self.read is not None)
         roles += ["final view"] * (self.final is not None)
@@ -489,8 +429,8 @@ class _SiteCall:
 
 
 def _layers(model: nn.Module, path: str) -> nn.ModuleList:
-    # The spec's path is the causal LM's ("model.layers"); in the bare model (AutoModel) it starts
-    # below the prefix under which the causal LM holds it ("layers", GPT-2's "h", OPT's "decoder.layers").
+    # The spec's path is the causal LM's ("model.layers"); the bare model (AutoModel) holds the layers
+    # below its base_model_prefix ("layers", GPT-2's "h", OPT's "decoder.layers").
     prefix = getattr(model, "base_model_prefix", "") + "."
     if path.startswith(prefix) and getattr(model, "base_model", None) is model:
         path = path[len(prefix) :]
@@ -513,13 +453,10 @@ def _site_modules(layer: nn.Module, site: SiteSpec) -> tuple[nn.Module, nn.Modul
 
 
 def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
-    """Attach DDL heads to every site of every decoder layer of ``model``, in place.
-
-    ``spec`` is a DeltaSpec or the ``deltafy`` section of a converted config. Every module is
-    resolved before anything is attached, so a map that does not fit leaves the model untouched.
-    """
-    if not isinstance(spec, DeltaSpec):
-        spec = DeltaSpec.from_dict(spec)
+    """Attach DDL heads to every site of every decoder layer of ``model``, in place. ``spec`` is a
+    DeltaSpec or a converted config's ``deltafy`` section. Every module is resolved before anything is
+    attached, so a map that does not fit leaves the model untouched."""
+    spec = spec if isinstance(spec, DeltaSpec) else DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise DeltafyError("this model is already converted")
     d_v = spec.channels
@@ -527,23 +464,22 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
     layers = _layers(model, spec.layers)
     plan = [(layer, site, *_site_modules(layer, site)) for layer in layers for site in spec.sites]
+    # A model built on the meta device outside a loading context (a streaming conversion) gets real heads,
+    # whose init values the conversion writes; inside transformers' loading context they are meta, and loaded.
     ref = next(model.parameters())
-    # A model built on the meta device outside a loading context (a streaming conversion) still gets
-    # real heads: their init values are what the conversion writes. Inside transformers' loading
-    # context the heads are created on meta like every other parameter, and loaded.
     place = {"device": None if ref.is_meta else ref.device, "dtype": ref.dtype}
     calls: dict[int, _SiteCall] = {}
 
     def call(module: nn.Module, layer: nn.Module) -> _SiteCall:
-        if id(module) not in calls:  # each layer lists its calls, for deltafy.disabled on a part of the model
+        if id(module) not in calls:  # each layer lists its calls, for disabled() on a part of the model
             calls[id(module)] = _SiteCall(module)
             layer.__dict__.setdefault("_deltafy_calls", []).append(calls[id(module)])
         return calls[id(module)]
 
-    reads = 0  # the expanded stream's reads so far: each starts its weights one place further round
+    reads = 0  # an expanded stream's reads so far: each starts its weights one place further round
     for layer, site, stream, write in plan:
-        # the first site to read a stream module holds the read weights of its view (parallel layers
-        # with one norm: both sublayers read one view)
+        # the first site to read a stream module holds its view's read weights (a parallel layer's
+        # two sublayers read one norm: one view)
         read = d_v > 1 and id(stream) not in calls
         delta = DeltaSite(spec, site, read=reads if read else None).to(**place)
         reads += read
@@ -555,32 +491,30 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         if read:
             calls[id(stream)].read = delta.read
     if d_v > 1:
-        call(layers[0], layers[0]).expand = True
         layers[-1].delta["final"] = DeltaRead(d_v, reads).to(**place)
+        call(layers[0], layers[0]).expand = True
         call(layers[-1], layers[-1]).final = layers[-1].delta["final"]
         for site_call in calls.values():
             site_call.channels = d_v
     for site_call in calls.values():
-        site_call.module.forward = site_call
-        site_call.module.extra_repr = site_call.extra_repr
+        site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
     return model
 
 
 def remove_deltafy(model: nn.Module) -> nn.Module:
-    """Undo apply_deltafy in place: the original forwards back, the heads gone (see deltafy.unconvert)."""
+    """Undo apply_deltafy in place: the original forwards back, the heads gone."""
     calls = model.__dict__.pop("_deltafy_calls", None)
     if not calls:
         raise DeltafyError("this model is not converted")
     for call in calls:
-        module = call.module
-        module.__dict__.pop("extra_repr", None)
-        if module.__dict__.get("forward") is call:
-            del module.forward
-            if call.inner is not None:
-                module.forward = call.inner
-        else:  # a wrapper installed after ours still calls it: leave it there as a pass-through
-            call.captures, call.writes, call.channels, call.expand, call.read, call.final = [], [], 1, False, None, None
+        call.module.__dict__.pop("extra_repr", None)
+        if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: pass through
+            call.captures, call.writes, call.channels = [], [], 1
+        elif call.inner is None:
+            del call.module.forward
+        else:
+            call.module.forward = call.inner
     for module in model.modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             del module.delta
@@ -590,11 +524,8 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def disabled(model: nn.Module):
-    """Run ``model`` with every DDL correction off (beta = 0 exactly), like peft's disable_adapter().
-
-    ``model`` may also be a part of a converted model that holds whole decoder layers (the bare
-    decoder, one layer): the corrections of the sites inside it are off. A part of a layer is refused,
-    since a site's stream and write are two of the layer's modules."""
+    """Run ``model`` with every DDL correction off (beta = 0 exactly), as peft's disable_adapter() does.
+    ``model`` may be a part of a converted model that holds whole decoder layers (the decoder, a layer)."""
     calls = list({id(c): c for module in model.modules() for c in module.__dict__.get("_deltafy_calls", ())}.values())
     if not calls:
         raise DeltafyError(
@@ -613,62 +544,26 @@ def disabled(model: nn.Module):
 
 def delta_sites(model: nn.Module):
     """Yield (qualified name, DeltaSite) for every site of a converted model."""
-    for name, module in model.named_modules():
-        if isinstance(module, DeltaSite):
-            yield name, module
-
-
-def _delta_dicts(model: nn.Module):
-    for prefix, module in model.named_modules():
-        if isinstance(getattr(module, "delta", None), nn.ModuleDict):
-            yield prefix, module.delta
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, DeltaSite))
 
 
 def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor deltafy added (the sites' heads and an expanded stream's final read), by its name
-    in the model's state dict."""
+    """Every tensor deltafy added (the sites' heads, an expanded stream's final read) by its state-dict name."""
     return {
         f"{prefix}{'.' if prefix else ''}delta.{key}": tensor
-        for prefix, delta in _delta_dicts(model)
-        for key, tensor in delta.state_dict().items()
+        for prefix, module in model.named_modules()
+        if isinstance(getattr(module, "delta", None), nn.ModuleDict)
+        for key, tensor in module.delta.state_dict().items()
     }
 
 
-def delta_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Every parameter deltafy added, in the order of ``delta_tensors``."""
-    return [p for _, delta in _delta_dicts(model) for p in delta.parameters()]
-
-
-def mean_betas(model: nn.Module, run) -> dict[str, float]:
-    """Mean beta per site (qualified name) over whatever forwards ``run()`` performs; for a site
-    with a strength (gate: strength), alpha * beta, the factor its correction is applied with."""
-    betas: dict[str, list[torch.Tensor]] = {}
-    handles = []
-    for name, site in delta_sites(model):
-        betas[name] = []
-
-        def record(site, args, log=betas[name]):
-            c = args[1].to(torch.promote_types(args[1].dtype, torch.float32))
-            beta = 2.0 * torch.sigmoid(site.heads(c)[0].detach()).float().mean()
-            log.append(beta if site.strength is None else beta * site.strength.detach().float())
-
-        handles.append(site.register_forward_pre_hook(record))
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: float(torch.stack(log).mean()) if log else float("nan") for name, log in betas.items()}
-
-
 # -- the checkpoint's classes --------------------------------------------------------------------
-# A heads-only (delta) checkpoint stores only the DDL heads, in HEADS_FILE, and names its base model
-# in the config's deltafy section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a
-# folder or a .gguf file, the path relative to the checkpoint folder, the hashes of its weight files).
+# A heads-only (delta) checkpoint stores only the heads, in HEADS_FILE, and names its base in the
+# config's deltafy section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a folder or
+# a .gguf file, the path relative to the checkpoint folder, the hashes of its weight files).
 HEADS_FILE = "deltafy_heads.safetensors"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
-PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
-_KEYS = ("missing_keys", "unexpected_keys")  # of from_pretrained's loading info
+_PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
 
 
 class BaseModelError(DeltafyError, OSError):
@@ -682,10 +577,10 @@ def _misfit(source: str, missing: list[str], unexpected: list[str]) -> None:
 
 
 def check_heads(stored: dict, heads: dict, source: str) -> None:
-    """Refuse ``stored`` head tensors unless they fit the model's ``heads`` (both by name) exactly:
-    every head there and nothing else, each of its shape and floating point. Checked before anything
-    is copied: copy_ would broadcast a (1,) target over a row of 64 and make floats of integers. A
-    float of another precision is cast, as transformers casts every weight to the dtype asked for."""
+    """Refuse ``stored`` head tensors unless they fit the model's ``heads`` (both by name) exactly, each of
+    its shape and floating point; checked before anything is copied, since copy_ would broadcast a (1,)
+    target over a row of 64 and make floats of integers. Another float precision is cast, as
+    transformers casts every weight."""
     _misfit(source, sorted(heads.keys() - stored.keys()), sorted(stored.keys() - heads.keys()))
     for name in sorted(heads):
         got, want = stored[name], heads[name]
@@ -696,25 +591,24 @@ def check_heads(stored: dict, heads: dict, source: str) -> None:
 
 
 def check_base_record(record) -> dict:
-    """The config's record of a heads-only checkpoint's base, refused unless it is one of its two forms:
-    a Hub model pinned to a commit, or a local one with the SHA-256 of its weight files (without them
-    any folder at that path would do, another model's or one with tensors missing)."""
+    """The config's record of a heads-only checkpoint's base, refused unless it is a Hub model pinned to
+    a commit or a local one with the SHA-256 of its weight files (else any folder at that path would do)."""
     forms = '{"id", "revision"} (a Hub model) or {"path", "sha256"} (a local one)'
-    _check(isinstance(record, dict) and ("id" in record or "path" in record), "deltafy.base", forms, record)
+    _need("deltafy.base", (lambda v: isinstance(v, dict) and ("id" in v or "path" in v), forms), record)
     if "id" in record:
-        _check(_is_text(record["id"]), "deltafy.base.id", "a non-empty string", record["id"])
+        _need("deltafy.base.id", _TEXT, record["id"])
         if "revision" not in record:
             raise DeltafyError(f"deltafy.base names the Hub model {record['id']} but no revision to pin it to")
-        _check(_is_hex(record["revision"], 40), "deltafy.base.revision", "a commit (40 hex digits)", record["revision"])
+        _need("deltafy.base.revision", (_HEX(40), "a commit (40 hex digits)"), record["revision"])
         return record
-    _check(_is_text(record["path"]), "deltafy.base.path", "a non-empty string", record["path"])
+    _need("deltafy.base.path", _TEXT, record["path"])
     if "sha256" not in record:
         raise DeltafyError(
             f"deltafy.base names the local model {record['path']} but no sha256 of its weight files, "
             f"which prove it is the base the heads were trained on"
         )
     hashes = record["sha256"]
-    if not (isinstance(hashes, dict) and hashes and all(_is_text(k) and _is_hex(v, 64) for k, v in hashes.items())):
+    if not (isinstance(hashes, dict) and hashes and all(_TEXT[0](k) and _HEX(64)(v) for k, v in hashes.items())):
         raise DeltafyError(
             f"deltafy.base.sha256 must map each weight file's name to its SHA-256 (64 hex digits), got {hashes!r}"
         )
@@ -740,86 +634,88 @@ def sha256_files(paths: list[Path]) -> dict[str, str]:
     return hashes
 
 
-def _packaged_file(package: str, name: str) -> Path | None:
-    """A base file shipped inside an installed package (a bundled alias's GGUF): found wherever this
-    environment installed it, so the checkpoint folder can move."""
-    import importlib.metadata
-
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == name), None)
-
-
-def _base_location(record: dict, folder: Path | None, override) -> tuple[Path | None, str, dict]:
-    """The local base (None on the Hub), what to pass from_pretrained and the kwargs that pin it;
-    a local base is hash-checked."""
-    if "id" in record and override is None:
+def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | None, str, dict]:
+    """The local base (None for the Hub), what to pass from_pretrained and the kwargs that pin it; a
+    local base is hash-checked. ``given``: where the user said it is (deltafy_base), or None."""
+    if "id" in record and given is None:
         return None, record["id"], {"revision": record["revision"]}
-    given = str(override if override is not None else record["path"])
-    location = Path(given).expanduser()
-    if not location.is_absolute() and override is None and folder is not None:
+    location = Path(str(given if given is not None else record["path"])).expanduser()
+    if given is None and not location.is_absolute() and folder is not None:
         location = folder / location
-    if not location.exists() and override is None and record.get("package"):
+    if given is None and not location.exists() and record.get("package"):
         location = _packaged_file(record["package"], Path(record["path"]).name) or location
     want = record.get("sha256", {})  # (a local copy of a Hub base has none: _from_base checks what it loads)
-    if not location.exists() and override is not None:
-        raise BaseModelError(f"the base model given for this heads-only checkpoint is not there: {location}")
     if not location.exists():
+        if given is not None:
+            raise BaseModelError(f"the base model given for this heads-only checkpoint is not there: {location}")
         raise BaseModelError(
             f"the base model of this heads-only checkpoint was not found at {location} (expected "
-            f"{', '.join(want) or record.get('id')}); pass its location with {PASS_BASE}"
+            f"{', '.join(want) or record.get('id')}); pass its location with {_PASS_BASE}"
         )
-    if want:
-        got = sha256_files(base_weight_files(location))
-        for name in sorted(want.keys() | got.keys()):
-            if want.get(name) != got.get(name):
-                found = f"sha256 {got[name][:12]}" if name in got else "missing"
-                expected = f"sha256 {want[name][:12]}" if name in want else "no such file"
-                raise BaseModelError(
-                    f"{location} is not the base model this checkpoint was made from: {name} is "
-                    f"{found}, expected {expected}"
-                )
+    got = sha256_files(base_weight_files(location)) if want else {}
+    for name in sorted(want.keys() | got.keys()):
+        if want.get(name) != got.get(name):
+            found = f"sha256 {got[name][:12]}" if name in got else "missing"
+            expected = f"sha256 {want[name][:12]}" if name in want else "no such file"
+            raise BaseModelError(
+                f"{location} is not the base model this checkpoint was made from: {name} is {found}, "
+                f"expected {expected}"
+            )
     location = location.resolve()
     if location.is_file():  # a .gguf file: transformers dequantizes it
         return location, str(location.parent), {"gguf_file": location.name}
     return location, str(location), {}
 
 
-def _load_heads(model: nn.Module, path: str, hub: dict) -> None:
-    """Copy the heads file's tensors into the model's heads, once every one of them fits (check_heads)."""
-    from safetensors.torch import load_file
-    from transformers.utils import cached_file
+def _packaged_file(package: str, name: str) -> Path | None:
+    """A base shipped inside an installed package (a bundled alias's GGUF), wherever it is installed."""
+    import importlib.metadata
 
-    stored = load_file(cached_file(path, HEADS_FILE, **hub))
-    prefix = model.base_model_prefix + "."
-    if getattr(model, "base_model", None) is model:  # the bare model: names lose the causal LM's prefix
-        stored = {k.removeprefix(prefix): v for k, v in stored.items()}
-    heads = {name: tensor for name, tensor in model.state_dict().items() if ".delta." in name}
-    check_heads(stored, heads, HEADS_FILE)
-    with torch.no_grad():
-        for name, tensor in heads.items():
-            tensor.copy_(stored[name])
+    try:
+        files = importlib.metadata.distribution(package).files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((Path(f.locate()) for f in files if f.name == name), None)
+
+
+def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseException) -> BaseModelError:
+    from transformers.utils.hub import is_offline_mode, try_to_load_from_cache
+
+    revision = pin.get("revision")
+    pinned = f" at revision {revision}" if revision else ""
+    if revision and (hub.get("local_files_only") or is_offline_mode()):
+        offline = "local_files_only=True" if hub.get("local_files_only") else "HF_HUB_OFFLINE is set"
+        cached = try_to_load_from_cache(location, "config.json", cache_dir=hub.get("cache_dir"), revision=revision)
+        if not isinstance(cached, str):  # (None, or a marker that the file is known not to exist)
+            return BaseModelError(
+                f"the base model {location}{pinned} is not in the local Hugging Face cache and the Hub is offline "
+                f"({offline}): go online once to download it, or pass its local folder with {_PASS_BASE}"
+            )
+    return BaseModelError(
+        f"could not load the base model {record.get('id') or location}{pinned} that this heads-only "
+        f"checkpoint needs ({first_line(err)})"
+    )
 
 
 def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     """Load a heads-only checkpoint: the stock base model (transformers' own loading, key renames and
     all), the surgery, then the heads. Returns what ``from_pretrained`` would."""
+    from safetensors.torch import load_file
     from transformers import GenerationConfig
+    from transformers.utils.hub import cached_file, extract_commit_hash
 
     DeltaSpec.from_dict(config.deltafy)  # a spec that cannot be applied is refused before the base is read
     record = check_base_record(config.deltafy["base"])
-    folder = Path(path) if Path(path).is_dir() else None
     hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     # the checkpoint's, not the base's (AutoModel passes the checkpoint's revision on as adapter_kwargs)
     own = {k: kwargs.pop(k) for k in ("revision", "subfolder", "adapter_kwargs") if k in kwargs}
+    folder = Path(path) if Path(path).is_dir() else None
     local, location, pin = _base_location(record, folder, kwargs.pop("deltafy_base", None))
     with_info = kwargs.pop("output_loading_info", False)
+    kwargs.pop("trust_remote_code", None)
     if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
         kwargs.pop("torch_dtype", None)
         kwargs["dtype"] = config.dtype or "auto"  # the dtype the full checkpoint would load in
-    kwargs.pop("trust_remote_code", None)
     config.model_type = config.deltafy["base_model_type"]  # so transformers applies the family's key renames
     try:
         model, info = stock_class.from_pretrained(location, config=config, output_loading_info=True, **pin, **kwargs)
@@ -827,19 +723,16 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
         raise _unloadable(record, location, pin, hub, err) from err
     finally:
         config.__dict__.pop("model_type", None)
-    # No base may leave a tensor missing (transformers would make one up); a local copy of a Hub base,
-    # which has no hashes to prove what it is, may not leave one over either (it would be dropped).
-    unverified = "id" in record and local is not None
-    odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if unverified else ())})
+    model.config.__dict__.pop("model_type", None)
+    # No base may leave a tensor missing (transformers would make one up), and a local copy of a Hub base,
+    # which has no hashes to prove what it is, may not leave one over either.
+    odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if "id" in record and local else ())})
     if odd:
         raise BaseModelError(
-            f"{location} is not the base model this checkpoint was made from: {len(odd)} tensors "
-            f"missing or left over (e.g. {odd[0]})"
+            f"{location} is not the base model this checkpoint was made from: {len(odd)} tensors missing or "
+            f"left over (e.g. {odd[0]})"
         )
-    model.config.__dict__.pop("model_type", None)
     if pin.get("revision"):  # the Hub may answer for a pinned commit with another: see where the files landed
-        from transformers.utils.hub import cached_file, extract_commit_hash
-
         revision = extract_commit_hash(cached_file(location, "config.json", revision=pin["revision"], **hub), None)
         if revision != pin["revision"]:
             raise BaseModelError(f"the base model {location} is at revision {revision}, expected {pin['revision']}")
@@ -849,43 +742,25 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     apply_deltafy(model, model.config.deltafy)
     if local is not None:  # where it was found, for a heads-only save of this model (kept in memory only)
         model.config.deltafy = {**model.config.deltafy, "base": {**record, "location": str(local)}}
-    _load_heads(model, str(path), hub | own)
+    stored = load_file(cached_file(str(path), HEADS_FILE, **hub, **own))
+    if model.base_model is model:  # the bare model: its names lack the causal LM's prefix
+        stored = {k.removeprefix(model.base_model_prefix + "."): v for k, v in stored.items()}
+    heads = {name: tensor for name, tensor in model.state_dict().items() if ".delta." in name}
+    check_heads(stored, heads, HEADS_FILE)
+    with torch.no_grad():
+        for name, tensor in heads.items():
+            tensor.copy_(stored[name])
     model.config._name_or_path = str(path)
     if model.can_generate():
-        try:
+        with contextlib.suppress(OSError):  # none in the checkpoint: keep the base's
             model.generation_config = GenerationConfig.from_pretrained(str(path), **hub, **own)
-        except OSError:
-            pass  # none in the checkpoint: keep the base's
     return (model, info) if with_info else model
-
-
-def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseException) -> BaseModelError:
-    """Why the base could not be loaded, in one line."""
-    from transformers.utils.hub import is_offline_mode, try_to_load_from_cache
-
-    revision = pin.get("revision")
-    pinned = f" at revision {revision}" if revision else ""
-    offline = "local_files_only=True" if hub.get("local_files_only") else "HF_HUB_OFFLINE is set"
-    if revision and (hub.get("local_files_only") or is_offline_mode()):
-        cached = try_to_load_from_cache(location, "config.json", cache_dir=hub.get("cache_dir"), revision=revision)
-        if not isinstance(cached, str):  # (None, or a marker that the file is known not to exist)
-            return BaseModelError(
-                f"the base model {location}{pinned} is not in the local Hugging Face cache and the Hub is "
-                f"offline ({offline}): go online once to download it, or pass its local folder with {PASS_BASE}"
-            )
-    return BaseModelError(
-        f"could not load the base model {record.get('id') or location}{pinned} that this heads-only "
-        f"checkpoint needs ({first_line(err)})"
-    )
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_class: type) -> tuple[type, type, type]:
     """Config, causal-LM and bare-model (AutoModel) classes of a converted checkpoint, derived from its
-    base family.
-
-    Subclassing keeps every original tensor name, generation, tied weights and device maps
-    exactly as transformers implements them for the base family.
-    """
+    base family: subclassing keeps every original tensor name, generation, tied weights and device maps
+    exactly as transformers implements them for that family."""
 
     class DeltafyConfig(base_config_class):
         model_type = "deltafy"
@@ -900,23 +775,25 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             if not isinstance(config, base_config_class):
                 hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "revision", "subfolder") if k in kwargs}
                 config = DeltafyConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
-            if "base" not in config.deltafy:  # a full checkpoint: the base family's own loading
-                load = stock_class.from_pretrained.__func__
-                with_info = kwargs.pop("output_loading_info", False)
-                model, info = load(
-                    cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
-                )
-                # transformers would leave a missing head uninitialized (the heads are marked initialized:
-                # their init is deltafy's) and drop one the spec does not make: both refused, by name
-                missing, unexpected = ([k for k in sorted(info[kind]) if ".delta." in k] for kind in _KEYS)
-                _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
-                return (model, info) if with_info else model
-            return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
+            if "base" in config.deltafy:
+                return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
+            with_info = kwargs.pop("output_loading_info", False)
+            load = stock_class.from_pretrained.__func__  # a full checkpoint: the base family's own loading
+            model, info = load(
+                cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
+            )
+            # transformers would leave a missing head uninitialized (they are marked initialized: their init
+            # is deltafy's) and drop one the spec does not make: both refused, by name
+            missing, unexpected = (
+                [k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")
+            )
+            _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
+            return (model, info) if with_info else model
 
         body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}
-        # transformers decides which attention and expert kernels a class may use by reading the source
-        # of the class's module; this file is not the family's, so ask the family (without this a full
-        # MoE checkpoint would run its experts eagerly, and differ from its base's grouped_mm in rounding).
+        # transformers picks the attention and expert kernels a class may use by reading its module's
+        # source; this file is not the family's, so ask the family (else a full MoE checkpoint would run
+        # its experts eagerly and differ from its base's grouped_mm in rounding)
         for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
             if hasattr(stock_class, probe):
                 body[probe] = classmethod(lambda cls, probe=probe: getattr(stock_class, probe)())
@@ -928,6 +805,5 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
         _deltafy_class(bare_model_class, "DeltafyModel"),
     )
     for cls in classes:
-        cls.__qualname__ = cls.__name__
-        cls.__module__ = __name__
+        cls.__qualname__, cls.__module__ = cls.__name__, __name__
     return classes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .architectures import layout_for, site_specs
@@ -13,7 +14,6 @@ from .modeling_deltafy import (
     DeltaSite,
     DeltaSpec,
     apply_deltafy,
-    delta_parameters,
     delta_sites,
     delta_tensors,
     remove_deltafy,
@@ -103,6 +103,34 @@ def summarize(model: nn.Module) -> SiteSummary:
     )
 
 
+def delta_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter deltafy added, in the order of ``delta_tensors``."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [named[name] for name in delta_tensors(model) if name in named]
+
+
+def mean_betas(model: nn.Module, run) -> dict[str, float]:
+    """Mean beta per site (qualified name) over whatever forwards ``run()`` performs; for a site
+    with a strength (gate: strength), alpha * beta, the factor its correction is applied with."""
+    betas: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, site in delta_sites(model):
+        betas[name] = []
+
+        def record(site, args, log=betas[name]):
+            c = args[1].to(torch.promote_types(args[1].dtype, torch.float32))
+            beta = 2.0 * torch.sigmoid(site.heads(c)[0].detach()).float().mean()
+            log.append(beta if site.strength is None else beta * site.strength.detach().float())
+
+        handles.append(site.register_forward_pre_hook(record))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: float(torch.stack(log).mean()) if log else float("nan") for name, log in betas.items()}
+
+
 def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> list[dict]:
     """AdamW parameter groups for the DDL heads: gates at ``lr * gate_lr_scale``, the rest at ``lr``.
 
@@ -127,4 +155,14 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     ]
 
 
-__all__ = ["convert", "unconvert", "build_spec", "summarize", "head_parameter_groups", "is_converted", "DeltaSite"]
+__all__ = [
+    "convert",
+    "unconvert",
+    "build_spec",
+    "summarize",
+    "head_parameter_groups",
+    "is_converted",
+    "delta_parameters",
+    "mean_betas",
+    "DeltaSite",
+]

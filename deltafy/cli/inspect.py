@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
 from ..conversion.verify import make_inputs
-from ..modeling_deltafy import mean_betas
+from ..surgery import mean_betas
 from ._console import console
 from ._options import OFF, BaseOpt
 

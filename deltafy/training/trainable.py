@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError, first_line
-from ..modeling_deltafy import mean_betas
 from ..options import Mode, TrainOptions
 from ..sources.folders import readable
+from ..surgery import mean_betas
 
 
 def select_trainable(model, mode: Mode, options: TrainOptions):

@@ -13,7 +13,7 @@ from helpers.training import tiny_setup
 
 import deltafy
 from deltafy.data import pack, token_stream
-from deltafy.modeling_deltafy import mean_betas
+from deltafy.surgery import mean_betas
 
 
 @pytest.fixture(scope="module")
