@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import re
@@ -321,13 +322,14 @@ class DeltaSite(nn.Module):
 
 # -- the surgery ---------------------------------------------------------------------------------
 # A site's stream and context travel from its capture to its write, kept per thread so that
-# concurrent forwards on one model never see each other's.
+# concurrent forwards on one model never see each other's; so does the count of the writes that ran,
+# which the checkpoint's classes compare with their sites (a backend that swaps modules drops them).
 _STASH = threading.local()
 
 
 def _stash() -> dict:
     if not hasattr(_STASH, "sites"):
-        _STASH.sites = {}
+        _STASH.sites, _STASH.writes = {}, 0
     return _STASH.sites
 
 
@@ -383,6 +385,8 @@ class _SiteCall:
         return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        _stash()
+        _STASH.writes += len(self.writes)
         if self.channels > 1:
             return self._expanded(args, kwargs)
         output = self._forward(*args, **kwargs)
@@ -499,6 +503,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     for site_call in calls.values():
         site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
+    model._deltafy_writes = len(plan)
     return model
 
 
@@ -507,6 +512,7 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
     calls = model.__dict__.pop("_deltafy_calls", None)
     if not calls:
         raise DeltafyError("this model is not converted")
+    model.__dict__.pop("_deltafy_writes", None)
     for call in calls:
         call.module.__dict__.pop("extra_repr", None)
         if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: pass through
@@ -790,7 +796,22 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
             return (model, info) if with_info else model
 
+        @functools.wraps(stock_class.forward)  # (generate reads its signature)
+        def forward(self, *args, **kwargs):
+            _stash()
+            before = _STASH.writes
+            output = stock_class.forward(self, *args, **kwargs)
+            ran, sites = _STASH.writes - before, self.__dict__.get("_deltafy_writes", 0)
+            if ran < sites:  # its modules were replaced or bypassed: this was the stock model's forward
+                raise DeltafyError(
+                    f"only {ran} of this deltafy model's {sites} residual sites ran: something replaced its "
+                    f"modules (vLLM's Transformers backend does); run it with transformers "
+                    f"(trust_remote_code=True) or vLLM with deltafy's plugin"
+                )
+            return output
+
         body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}
+        body["forward"] = forward
         # transformers picks the attention and expert kernels a class may use by reading its module's
         # source; this file is not the family's, so ask the family (else a full MoE checkpoint would run
         # its experts eagerly and differ from its base's grouped_mm in rounding)

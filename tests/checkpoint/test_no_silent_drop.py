@@ -1,0 +1,104 @@
+"""A checkpoint's classes refuse to run when something swapped the modules its sites live on (as vLLM's
+Transformers backend does: new module instances, or forwards rebound with types.MethodType), instead of
+computing the stock model; the check counts the writes that ran, so every ordinary way of running the
+model (generate, disabled(), the expanded stream, a training step) still works."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from helpers.models import DELTAFY_FREE_PREAMBLE, fixed_ids, randomize_heads, run_deltafy_free, tiny_model
+from transformers import AutoModel, AutoModelForCausalLM
+
+import deltafy
+from deltafy.modeling_deltafy import disabled
+
+REFUSED = r"only (\d+) of this deltafy model's (\d+) residual sites ran: something replaced its modules"
+
+
+def _saved(tmp_path, case="llama-untied", recipe="ddl-scalar"):
+    model = deltafy.convert(tiny_model(case), recipe)
+    randomize_heads(model)
+    deltafy.save(model, tmp_path / "ckpt")
+    return model, tmp_path / "ckpt"
+
+
+def _fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A new instance with the same weights and the class's own forward: what a backend's swap leaves."""
+    new = copy.deepcopy(module)
+    new.__dict__.pop("forward", None)
+    new.__dict__.pop("extra_repr", None)
+    return new
+
+
+@pytest.mark.parametrize("auto", [AutoModelForCausalLM, AutoModel])
+def test_swapped_writes_are_refused(tmp_path, auto):
+    _, folder = _saved(tmp_path)
+    model = auto.from_pretrained(folder, trust_remote_code=True)
+    ids = fixed_ids(model)
+    model(input_ids=ids)  # untouched, it runs
+    layers = (model.model if auto is AutoModelForCausalLM else model).layers
+    for layer in layers:
+        layer.mlp = _fresh_copy(layer.mlp)
+    with pytest.raises(ValueError, match=REFUSED) as err:
+        model(input_ids=ids)
+    assert err.type.__name__ == "DeltafyError" and err.type.__module__.startswith("transformers_modules")
+    assert "2 of" in str(err.value) and "4 residual" in str(err.value)
+
+
+def test_every_module_swapped_and_rebound_is_refused(tmp_path):
+    """vLLM replaces the norms and the sublayers alike, so nothing is captured and nothing written:
+    deltafy's own 'write before capture' check cannot fire, the count does."""
+    _, folder = _saved(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    for layer in model.model.layers:
+        for name in ("self_attn", "mlp"):
+            setattr(layer, name, _fresh_copy(getattr(layer, name)))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = types.MethodType(type(norm).forward, norm)  # a fused forward bound on the instance
+    with pytest.raises(ValueError, match=r"only 0 of this deltafy model's 4 residual sites ran"):
+        model(input_ids=fixed_ids(model))
+
+
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-expanded"])
+def test_ordinary_use_is_not_refused(tmp_path, recipe):
+    converted, folder = _saved(tmp_path, recipe=recipe)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    ids = fixed_ids(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, converted(input_ids=ids).logits)
+        with disabled(model):  # the corrections off: the sites still ran
+            model(input_ids=ids)
+    model.generate(ids[:1], max_new_tokens=3, do_sample=False)
+    model.gradient_checkpointing_enable()
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_a_deltafy_free_process_refuses_a_swap(tmp_path):
+    _, folder = _saved(tmp_path)
+    child = (
+        DELTAFY_FREE_PREAMBLE
+        + """
+import copy, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+for layer in model.model.layers:
+    layer.mlp = copy.deepcopy(layer.mlp)
+    layer.mlp.__dict__.pop("forward", None)
+try:
+    model(input_ids=torch.tensor([[1, 2, 3]]))
+    message = ""
+except Exception as err:
+    message = f"{type(err).__name__}: {err}"
+loaded = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "deltafy" and mod is not None)
+torch.save({"message": message, "deltafy_modules": loaded}, sys.argv[-1])
+"""
+    )
+    got = run_deltafy_free(child, [str(folder)], tmp_path)
+    assert got["message"].startswith("DeltafyError: only 2 of this deltafy model's 4 residual sites ran")
