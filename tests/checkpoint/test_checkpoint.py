@@ -357,7 +357,16 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
         elif isinstance(node, ast.ImportFrom):
             assert not node.level, "a relative import would need a second file"
             imported.add(node.module.split(".")[0])
-    allowed = {"torch", "transformers", "safetensors", "__future__", "contextlib", "threading", "dataclasses"}
+    allowed = {
+        "torch",
+        "transformers",
+        "safetensors",
+        "__future__",
+        "contextlib",
+        "functools",
+        "threading",
+        "dataclasses",
+    }
     assert imported <= allowed | {"hashlib", "pathlib", "importlib", "math", "re"}, imported
     for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "os", "CDLL", "cpp_extension", "save_file"):
         assert not re.search(rf"\b{word}\b", text), f"the checkpoint's code uses {word}"
