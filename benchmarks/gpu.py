@@ -1,0 +1,743 @@
+"""One device run: converted vs original speed, heads-only training cost and the fused path's error, one table.
+
+    bash benchmarks/gpu.sh                          # a CUDA machine (an H200: under 8 minutes, --deadline)
+    python benchmarks/gpu.py --cpu                  # the same on CPU, tiny shapes (CI runs it; well under a minute)
+    python benchmarks/gpu.py --models smollm2 --skip compiled
+    python benchmarks/gpu.py --quick                # tiny shapes on the GPU: a smoke test of every cell
+    TRITON_INTERPRET=1 python benchmarks/gpu.py --cpu --force-fused   # the fused kernel interpreted (its error)
+    python benchmarks/gpu.py --json out.json        # the table's cells as JSON too
+
+Models: SmolLM2-135M (the bundled real weights) and a random Llama of Llama-3.2-1B's shape (hidden 2048,
+MLP 8192, 16 layers, 32 heads, 8 KV heads, vocabulary 128256), bf16; --cpu/--quick: a tiny random Llama
+(2 layers, hidden 64) in fp32. The converted model (--recipe, default ddl-scalar) has its gates opened
+(beta ~ 0.1-0.5, random targets: heads as after training); "reference" runs its formula in PyTorch ops,
+"fused" the same copy with deltafy.fused enabled (where deltafy.fused exists and supports the device).
+Every variant is its own copy of one loaded model, measured side by side in one process, alternating
+which goes first, so that the drift of a shared machine hits them alike.
+
+Rows (per model; the shapes are the GPU's, --cpu's in brackets):
+  prefill           batch 4 x 1024 tokens [1 x 64], one forward without cache, tokens/s.
+  decode b1 / b8    greedy decode with the KV cache after a 32 [16] token prompt, the variants in lockstep
+                    one token at a time, tokens/s; eager: DynamicCache; compiled: StaticCache and
+                    torch.compile(mode="reduce-overhead") (CUDA graphs), the prompt run eagerly.
+  compiled rows     torch.compile (prefill: default mode); skipped on CPU unless --compile.
+  train step        heads-only (only the DDL heads require grad, deltafy.head_parameter_groups) against
+                    full fine-tuning and against LoRA r=8 (peft, target_modules="all-linear", on the
+                    original), 8 x 1024 [2 x 64] tokens a step, AdamW, no gradient checkpointing: forward
+                    with the loss, backward, optimizer step, zero_grad, median ms of the timed steps.
+  train memory      peak of a step: the variant's own weights, buffers and optimizer state plus the step's
+                    peak allocation above what was allocated when it began (so the other variants that
+                    are resident do not count), GiB; CUDA only.
+  max |dlogits|     fused vs reference on a 2 x 256 [1 x 32] batch (baseline column: max |logits|; ratio:
+                    relative to it).
+"ratio" is variant/baseline. A cell that fails prints error (its first line is listed under the table) and
+the run goes on; --deadline (GPU default 440 s) stops it, printing what it has, so that it never hangs. The
+compiled rows run after every eager one, batch-1 decode first; one that would start after --budget seconds
+(default 0.72 x the deadline) is skipped, and a variant that recompiles while timed is reported, not timed.
+Targets: prefill >= 0.97x; batch-1 decode >= 0.90x eager and >= 0.95x compiled; heads-only training step
+<= 0.60x full fine-tuning and <= 1.1x LoRA r=8; peak training memory <= 1.1x LoRA r=8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import faulthandler
+import importlib
+import inspect
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import deltafy
+
+# -- what is measured ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shapes:
+    prefill: tuple[int, int]
+    prompt: int
+    new_tokens: int
+    decode_batches: tuple[int, ...]
+    train: tuple[int, int]
+    logits: tuple[int, int]
+    rounds: int  # timed rounds (prefill, decode) after one warm-up round
+    train_steps: int  # timed steps per variant after warm-up
+    train_warmup: int
+
+
+FULL = Shapes((4, 1024), 32, 32, (1, 8), (8, 1024), (2, 256), rounds=3, train_steps=3, train_warmup=2)
+SMALL = Shapes((1, 64), 16, 4, (1, 8), (2, 64), (1, 32), rounds=2, train_steps=2, train_warmup=1)
+
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+LLAMA_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
+)
+LABELS = {"smollm2": "SmolLM2-135M", "llama-1b": "Llama-1B (random)", "tiny-llama": "tiny Llama (random)"}
+
+# measure -> (unit, baseline column label, target: (">=" or "<=", value) or None)
+MEASURES = {
+    "prefill": ("tok/s", "original", (">=", 0.97)),
+    "prefill compiled": ("tok/s", "original", (">=", 0.97)),
+    "decode b1": ("tok/s", "original", (">=", 0.90)),
+    "decode b1 compiled": ("tok/s", "original", (">=", 0.95)),
+    "decode b8": ("tok/s", "original", None),
+    "decode b8 compiled": ("tok/s", "original", None),
+    "train step vs full": ("ms", "full FT", ("<=", 0.60)),
+    "train step vs LoRA": ("ms", "LoRA r=8", ("<=", 1.10)),
+    "train memory vs full": ("GiB", "full FT", None),
+    "train memory vs LoRA": ("GiB", "LoRA r=8", ("<=", 1.10)),
+    "max |dlogits|": ("abs", "max|logits|", None),
+}
+COLUMNS = {"baseline": "original", "reference": "reference", "fused": "fused"}  # column -> variant
+TRAIN_MEASURES = ("train step vs full", "train step vs LoRA", "train memory vs full", "train memory vs LoRA")
+
+
+@dataclass
+class Row:
+    model: str
+    measure: str
+    cells: dict = field(default_factory=dict)  # "baseline", "reference", "fused" -> float or a note
+
+    def ratio(self, column: str):
+        base, value = self.cells.get("baseline"), self.cells.get(column)
+        if isinstance(base, float) and isinstance(value, float) and base > 0:
+            return value / base
+        return None
+
+
+class Table:
+    """The rows in display order, filled in as cells finish (in whatever order they run)."""
+
+    def __init__(self):
+        self.rows: dict[tuple[str, str], Row] = {}
+        self.notes: list[str] = []
+        self.lock = threading.Lock()
+
+    def declare(self, model: str) -> None:
+        for measure in MEASURES:
+            self.rows[model, measure] = Row(model, measure)
+
+    def set(self, model: str, measure: str, column: str, value) -> None:
+        with self.lock:
+            self.rows[model, measure].cells[column] = value
+
+    def note(self, text: str) -> str:
+        """A footnote's mark for a cell that holds no number."""
+        with self.lock:
+            if text not in self.notes:
+                self.notes.append(text)
+            return f"[{self.notes.index(text) + 1}]"
+
+    def cell(self, value, width: int) -> str:
+        if isinstance(value, float):
+            if abs(value) >= 100:
+                text = f"{value:.1f}"
+            elif abs(value) >= 0.01 or value == 0:
+                text = f"{value:.3f}"
+            else:
+                text = f"{value:.2e}"
+        elif value is None:
+            text = "n/a" + self.note("not reached")
+        else:
+            text = ("error" if str(value).startswith("error") else "n/a") + self.note(str(value))
+        return f"{text:>{width}s}"
+
+    def render(self) -> str:
+        head = (
+            f"{'model':20s} {'measure':21s} {'unit':5s} {'vs':>11s} {'baseline':>10s} {'reference':>10s}"
+            f" {'ratio':>6s} {'fused':>10s} {'ratio':>6s} {'target':>7s} {'met':>17s}"
+        )
+        lines = [head, "-" * len(head)]
+        for row in list(self.rows.values()):
+            unit, base_label, target = MEASURES[row.measure]
+            ratios = {c: row.ratio(c) for c in ("reference", "fused")}
+            if row.measure == "max |dlogits|":
+                ref_cell = f"{'-':>10s}"
+            else:
+                ref_cell = self.cell(row.cells.get("reference"), 10)
+            met = []
+            if target:
+                op, bound = target
+                for column, short in (("reference", "ref"), ("fused", "fused")):
+                    r = ratios[column]
+                    if r is not None:
+                        ok = r >= bound if op == ">=" else r <= bound
+                        met.append(f"{short} {'yes' if ok else 'NO'}")
+            lines.append(
+                f"{LABELS.get(row.model, row.model):20s} {row.measure:21s} {unit:5s} {base_label:>11s}"
+                f" {self.cell(row.cells.get('baseline'), 10)} {ref_cell} {_ratio(ratios['reference'])}"
+                f" {self.cell(row.cells.get('fused'), 10)} {_ratio(ratios['fused'])}"
+                f" {(target[0] + str(target[1])) if target else '-':>7s} {', '.join(met) or '-':>17s}"
+            )
+        lines += [f"  [{i}] {text}" for i, text in enumerate(self.notes, 1)]
+        return "\n".join(lines)
+
+    def to_json(self) -> list[dict]:
+        out = []
+        for row in self.rows.values():
+            cells = {k: v for k, v in row.cells.items()}
+            out.append(
+                dict(
+                    model=row.model,
+                    measure=row.measure,
+                    unit=MEASURES[row.measure][0],
+                    baseline_label=MEASURES[row.measure][1],
+                    **{c: cells.get(c) for c in ("baseline", "reference", "fused")},
+                    reference_ratio=row.ratio("reference"),
+                    fused_ratio=row.ratio("fused"),
+                    target=MEASURES[row.measure][2],
+                )
+            )
+        return out
+
+
+def _ratio(r) -> str:
+    text = "-" if r is None else f"{r:.3f}" if r == 0 or abs(r) >= 0.001 else f"{r:.0e}"
+    return f"{text:>6s}"
+
+
+def first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"error: {type(err).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+class CellTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise CellTimeout in the main thread after ``seconds`` (between Python bytecodes: a compile or a
+    Python loop is interrupted; one CUDA call that never returns is left to the deadline's watchdog)."""
+    if seconds is None or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CellTimeout(f"timed out after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- models --------------------------------------------------------------------------------------
+def load(name: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if name == "smollm2":
+        from deltafy.sources.load import load_source
+
+        return load_source("smollm2-135m", "float32").model.to(device=device, dtype=dtype).eval()
+    shapes = {"llama-1b": LLAMA_1B, "tiny-llama": LLAMA_TINY}
+    if name not in shapes:
+        raise SystemExit(f"unknown model {name!r}; use smollm2, llama-1b or tiny-llama")
+    torch.manual_seed(0)
+    with torch.device(device):  # initialized where it runs: 1B parameters are slow to initialize on CPU
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes[name]), dtype=dtype)
+    return model.eval()
+
+
+def open_gates(model, seed: int = 0) -> None:
+    """Heads with a visible effect (beta ~ 0.1 to 0.5), so the correction is timed doing real work."""
+    gen = torch.Generator().manual_seed(seed)
+    sites = [m for m in model.modules() if type(m).__name__ == "DeltaSite"]
+    assert sites, "no DDL sites found"
+    with torch.no_grad():
+        for site in sites:
+            for head in (site.gate, site.target):
+                head.weight.copy_(0.05 * torch.randn(head.weight.shape, generator=gen))
+            site.gate.bias.fill_(-2.0)
+            if getattr(site, "strength", None) is not None:  # gate: strength, zero at init
+                site.strength.fill_(1.0)
+
+
+def fused_api():
+    """(deltafy.fused, None) or (None, why it is not there)."""
+    try:
+        return importlib.import_module("deltafy.fused"), None
+    except ImportError as err:
+        if getattr(err, "name", None) not in ("deltafy.fused", None):
+            return None, f"deltafy.fused failed to import: {err}"
+        return None, "deltafy.fused not available"
+
+
+def make_fused(converted, device: str, force: bool):
+    """A copy of ``converted`` with the fused path enabled, or the note that says why there is none."""
+    fused, why = fused_api()
+    if fused is None:
+        return why
+    if not force and not fused.supported(torch.device(device)):
+        hint = "" if device == "cuda" else " (--force-fused with TRITON_INTERPRET=1 runs it interpreted)"
+        return f"deltafy.fused.supported({device}) is False{hint}"
+    model = copy.deepcopy(converted)
+    try:
+        switched = fused.enable(model, force=force)
+    except Exception as err:
+        return first_line(err)
+    return model if switched else "deltafy.fused.enable switched no site"
+
+
+def cache_kwarg(model) -> str:
+    # transformers renamed past_key_values to cache during 5.x
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# -- timing --------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args, shapes: Shapes, table: Table):
+        self.args, self.shapes, self.table = args, shapes, table
+        self.device = args.device
+        self.cuda = self.device == "cuda"
+        self.start = time.monotonic()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def run(self, model: str, measures, fn, compiled: bool = False) -> None:
+        """Run one cell group: ``fn()`` returns {measure: {column: value}} for ``measures`` (one or a
+        list); a failure or timeout marks every column of them with the error and the run goes on."""
+        measures = [measures] if isinstance(measures, str) else list(measures)
+        columns = ("baseline", "reference", "fused")
+
+        def mark(text: str) -> None:
+            for measure in measures:
+                for column in columns:
+                    if self.table.rows[model, measure].cells.get(column) is None:
+                        self.table.set(model, measure, column, text)
+
+        if any(word in measure for word in self.args.skip for measure in measures):
+            return mark("skipped (--skip)")
+        if compiled and not self.args.compile:
+            return mark("compiled rows off" + (" on CPU (--compile runs them)" if not self.cuda else " (--no-compile)"))
+        if compiled and self.elapsed() > self.args.budget:
+            return mark(f"time budget: would start after {self.args.budget:g} s (--budget)")
+        print(
+            f"[{self.elapsed():6.1f} s] {LABELS.get(model, model)}: {', '.join(measures)}", file=sys.stderr, flush=True
+        )
+        try:
+            with time_limit(max(self.args.deadline - self.elapsed() - 15, 5.0)):
+                values = fn()
+        except Exception as err:  # OOM, compile errors, a timeout: the cells say so
+            values = {}
+            mark(first_line(err))
+            if self.cuda:
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        finally:
+            if compiled:
+                with contextlib.suppress(Exception):
+                    torch._dynamo.reset()
+        for measure, cells in values.items():
+            for column, value in cells.items():
+                self.table.set(model, measure, column, value)
+
+    # prefill -----------------------------------------------------------------------------------
+    def prefill(self, calls: dict, vocab: int) -> dict:
+        b, t = self.shapes.prefill
+        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0)).to(self.device)
+        times = {name: [] for name in calls}
+        dropped: dict[str, str] = {}
+        with torch.inference_mode():
+            for r in range(self.shapes.rounds + 1):
+                for name in rotate([n for n in calls if n not in dropped], r):
+                    graphs = compiled_graphs()
+                    self.sync()
+                    start = time.perf_counter()
+                    calls[name](input_ids=ids, use_cache=False)
+                    self.sync()
+                    if r:  # round 0 warms up (and compiles)
+                        times[name].append(time.perf_counter() - start)
+                        if compiled_graphs() > graphs:
+                            dropped[name] = RECOMPILES
+        return speeds(times, ids.numel(), dropped)
+
+    # decode ------------------------------------------------------------------------------------
+    def decode(self, models: dict, batch: int, compiled: bool) -> dict:
+        """Tokens/s of greedy decode, the variants in lockstep one token at a time."""
+        from transformers import DynamicCache, StaticCache
+
+        s = self.shapes
+        vocab = next(iter(models.values())).get_input_embeddings().num_embeddings
+        prompt = torch.randint(0, vocab, (batch, s.prompt), generator=torch.Generator().manual_seed(1))
+        prompt = prompt.to(self.device)
+        steps, caches = {}, {}
+        for name, model in models.items():
+            if compiled:
+                # one cache per variant for the whole run, reset between rounds: CUDA graphs keep its address
+                caches[name] = StaticCache(config=model.config, max_cache_len=s.prompt + s.new_tokens + 1)
+                steps[name] = torch.compile(model, mode="reduce-overhead", dynamic=False)
+            else:
+                steps[name] = model
+        times = {name: [] for name in models}
+        dropped: dict[str, str] = {}  # a variant that recompiles step after step stops being timed
+        with torch.inference_mode():
+            for r in range(s.rounds + 1):
+                kw, tokens = {}, {}
+                live = [n for n in models if n not in dropped]
+                for name in live:
+                    model = models[name]
+                    if compiled:
+                        caches[name].reset()
+                        cache = caches[name]
+                    else:
+                        cache = DynamicCache(config=model.config)
+                    kw[name] = {cache_kwarg(model): cache, "use_cache": True}
+                    # the prompt runs eagerly (a compiled prefill would be one more graph per length)
+                    tokens[name] = model(input_ids=prompt, **kw[name]).logits[:, -1:].argmax(-1)
+                for i in range(s.new_tokens):
+                    for name in rotate([n for n in live if n not in dropped], i):
+                        graphs = compiled_graphs()
+                        if compiled:
+                            torch.compiler.cudagraph_mark_step_begin()
+                        self.sync()
+                        start = time.perf_counter()
+                        logits = steps[name](input_ids=tokens[name], **kw[name]).logits
+                        tokens[name] = logits[:, -1:].argmax(-1)
+                        self.sync()
+                        if r:
+                            times[name].append(time.perf_counter() - start)
+                        # the first steps may compile (and record CUDA graphs); later ones must not
+                        if (r or i >= 3) and compiled_graphs() > graphs:
+                            dropped[name] = RECOMPILES
+        return speeds(times, batch, dropped)
+
+    # training ----------------------------------------------------------------------------------
+    def train(self, arms: dict) -> dict:
+        """Median seconds per optimizer step and peak memory (bytes) per arm; ``arms`` maps a name to
+        (model, optimizer). The arms alternate step by step."""
+        b, t = self.shapes.train
+        vocab = next(iter(arms.values()))[0].get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(2)).to(self.device)
+        times = {name: [] for name in arms}
+        peaks = {name: 0 for name in arms}
+        failed: dict[str, str] = {}  # an arm that fails (the fused kernel's backward, an OOM) drops out alone
+        for r in range(self.shapes.train_warmup + self.shapes.train_steps):
+            for name in rotate([n for n in arms if n not in failed], r):
+                model, opt = arms[name]
+                self.sync()
+                if self.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                start = time.perf_counter()
+                try:
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    opt.step()
+                    self.sync()
+                except CellTimeout:
+                    raise
+                except Exception as err:
+                    failed[name] = first_line(err)
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+                    continue
+                finally:
+                    opt.zero_grad(set_to_none=True)
+                elapsed = time.perf_counter() - start
+                if r >= self.shapes.train_warmup:
+                    times[name].append(elapsed)
+                    if self.cuda:
+                        own = resident_bytes(model, opt)
+                        peaks[name] = max(peaks[name], own + torch.cuda.max_memory_allocated() - before)
+        results = {name: (failed[name],) * 2 for name in failed}
+        for name, ts in times.items():
+            if name not in failed:
+                results[name] = (statistics.median(ts), peaks[name] if self.cuda else "CPU: no allocator statistics")
+        return results
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled so far (a count that grows while timing means the
+    timed calls recompiled: their time would be the compiler's)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def speeds(times: dict, tokens_per_call: int, dropped: dict) -> dict:
+    """Tokens/s per variant, or the note that says why it was not timed to the end."""
+    return {name: dropped.get(name) or tokens_per_call * len(ts) / sum(ts) for name, ts in times.items()}
+
+
+RECOMPILES = "torch.compile recompiled while timed: its time would be the compiler's (TORCH_LOGS=recompiles says why)"
+
+
+def rotate(names: list, r: int) -> list:
+    """Round ``r``'s order: each variant goes first in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def resident_bytes(model, opt) -> int:
+    """What an arm keeps between steps: its weights, buffers and optimizer state (grads are set to None)."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in opt.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        if tensor.device.type == "cuda" and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def heads_only(model):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    groups = [{k: v for k, v in g.items() if k != "name"} for g in deltafy.head_parameter_groups(model)]
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    return torch.optim.AdamW(groups)
+
+
+def frozen(model):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+# -- the run -------------------------------------------------------------------------------------
+class ModelRun:
+    """One model's variants and its cells."""
+
+    def __init__(self, bench: Bench, name: str):
+        self.bench, self.name = bench, name
+        args = bench.args
+        original = load(name, args.dtype, args.device)
+        converted = deltafy.convert(copy.deepcopy(original), args.recipe).eval()
+        open_gates(converted)
+        self.models = {"original": original, "reference": converted}
+        fused = make_fused(converted, args.device, args.force_fused)
+        if isinstance(fused, str):
+            self.fused_note = fused
+        else:
+            self.models["fused"], self.fused_note = fused, None
+        self.vocab = original.get_input_embeddings().num_embeddings
+
+    def by_column(self, per_variant: dict) -> dict:
+        """{column: value} from {variant: value}, the fused column saying why where it has no value."""
+        out = {column: per_variant[v] for column, v in COLUMNS.items() if v in per_variant}
+        if self.fused_note is not None:
+            out.setdefault("fused", self.fused_note)
+        return out
+
+    def eager(self) -> None:
+        b, name = self.bench, self.name
+        b.run(name, "max |dlogits|", lambda: {"max |dlogits|": self.dlogits()})
+        b.run(name, "prefill", lambda: {"prefill": self.by_column(b.prefill(self.models, self.vocab))})
+        for batch in b.shapes.decode_batches:
+            measure = f"decode b{batch}"
+            b.run(name, measure, lambda m=measure, n=batch: {m: self.by_column(b.decode(self.models, n, False))})
+        b.run(name, TRAIN_MEASURES, self.train)
+
+    def compiled(self, stage: int) -> None:
+        """Stage 0: batch-1 decode (the row with a compiled target); 1: prefill; 2: the other batches."""
+        b, name = self.bench, self.name
+        first, *rest = b.shapes.decode_batches
+        if stage == 0:
+            self._compiled_decode(first)
+        elif stage == 1:
+
+            def prefill():
+                calls = {variant: torch.compile(model) for variant, model in self.models.items()}
+                return {"prefill compiled": self.by_column(b.prefill(calls, self.vocab))}
+
+            b.run(name, "prefill compiled", prefill, compiled=True)
+        else:
+            for batch in rest:
+                self._compiled_decode(batch)
+
+    def _compiled_decode(self, batch: int) -> None:
+        measure = f"decode b{batch} compiled"
+        fn = lambda: {measure: self.by_column(self.bench.decode(self.models, batch, True))}  # noqa: E731
+        self.bench.run(self.name, measure, fn, compiled=True)
+
+    def dlogits(self) -> dict:
+        if "fused" not in self.models:
+            return {"baseline": self.fused_note, "fused": self.fused_note}
+        b, t = self.bench.shapes.logits
+        ids = torch.randint(0, self.vocab, (b, t), generator=torch.Generator().manual_seed(3))
+        ids = ids.to(self.bench.device)
+        with torch.inference_mode():
+            ref = self.models["reference"](input_ids=ids, use_cache=False).logits.float()
+            fused = self.models["fused"](input_ids=ids, use_cache=False).logits.float()
+        return {"baseline": ref.abs().max().item(), "fused": (fused - ref).abs().max().item()}
+
+    def train(self) -> dict:
+        """Full FT, LoRA r=8 and heads-only (reference, fused) side by side: the four train rows."""
+        from peft import LoraConfig, get_peft_model
+
+        arms = {}
+        try:
+            full = copy.deepcopy(self.models["original"]).train()
+            for p in full.parameters():
+                p.requires_grad_(True)
+            arms["full"] = (full, torch.optim.AdamW(full.parameters(), lr=1e-5))
+            lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+            lora = get_peft_model(copy.deepcopy(self.models["original"]), lora_config).train()
+            arms["lora"] = (lora, torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4))
+            for variant in ("reference", "fused"):
+                if variant in self.models:
+                    model = self.models[variant].train()
+                    arms[variant] = (model, heads_only(model))
+            results = self.bench.train(arms)
+        finally:
+            for variant in ("reference", "fused"):
+                if variant in self.models:
+                    frozen(self.models[variant])
+            arms.clear()
+            if self.bench.cuda:
+                torch.cuda.empty_cache()
+        out = {}
+        for measure in TRAIN_MEASURES:
+            kind, baseline = measure.split()[1], "full" if measure.endswith("full") else "lora"
+            index, scale = (0, 1e3) if kind == "step" else (1, 2.0**-30)
+            cells = {}
+            for column, arm in (("baseline", baseline), ("reference", "reference"), ("fused", "fused")):
+                if arm in results:
+                    value = results[arm][index]
+                    cells[column] = value * scale if isinstance(value, float | int) else value
+            if self.fused_note is not None:
+                cells.setdefault("fused", self.fused_note)
+            out[measure] = cells
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run on CPU with tiny shapes (what CI runs)")
+    parser.add_argument("--quick", action="store_true", help="tiny model and shapes on the chosen device")
+    parser.add_argument("--models", default=None, help="of smollm2, llama-1b, tiny-llama (default by device)")
+    parser.add_argument("--recipe", default="ddl-scalar")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="the compiled rows")
+    parser.add_argument("--skip", default="", help="comma-separated words; a row whose measure holds one is skipped")
+    parser.add_argument("--force-fused", action="store_true", help="deltafy.fused.enable(force=True)")
+    parser.add_argument("--budget", type=float, default=None, help="no compiled cell starts after this many s")
+    parser.add_argument("--deadline", type=float, default=None, help="stop, printing the table, after this many s")
+    parser.add_argument("--json", default=None, help="also write the cells to this file")
+    args = parser.parse_args()
+    small = args.cpu or args.quick
+    args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    if args.device == "cpu":
+        small = True
+    args.models = args.models or ("tiny-llama" if small else "smollm2,llama-1b")
+    args.dtype = getattr(torch, args.dtype or ("float32" if small else "bfloat16"))
+    args.compile = args.device == "cuda" if args.compile is None else args.compile
+    args.skip = [s for s in args.skip.split(",") if s]
+    args.deadline = args.deadline or (120.0 if small else 440.0)
+    args.budget = args.budget if args.budget is not None else args.deadline * 0.72
+    shapes = SMALL if small else FULL
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "no GPU (CPU run)"
+    import peft
+    import transformers
+
+    print(
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}"
+        f" (CUDA {torch.version.cuda}), transformers {transformers.__version__}, peft {peft.__version__}; {gpu}"
+    )
+    print(
+        f"device {args.device}, {str(args.dtype).removeprefix('torch.')}, recipe {args.recipe}, gates open;"
+        f" prefill {shapes.prefill[0]}x{shapes.prefill[1]}, decode batches {shapes.decode_batches} after a"
+        f" {shapes.prompt}-token prompt ({shapes.new_tokens} tokens x {shapes.rounds} rounds),"
+        f" train {shapes.train[0]}x{shapes.train[1]}; compiled rows {'on' if args.compile else 'off'}"
+    )
+    print(
+        "targets: prefill >= 0.97x; decode b1 >= 0.90x eager, >= 0.95x compiled; heads-only train step <= 0.60x"
+        " full FT and <= 1.1x LoRA r=8; peak train memory <= 1.1x LoRA r=8",
+        flush=True,
+    )
+    table = Table()
+    bench = Bench(args, shapes, table)
+    names = [n for n in args.models.split(",") if n]
+    for name in names:
+        table.declare(name)
+    done = threading.Event()
+
+    def on_deadline():
+        if not done.is_set():
+            print(f"\ndeadline: {args.deadline:g} s reached; the table so far:", flush=True)
+            print(table.render(), flush=True)
+            os._exit(3)
+
+    watchdog = threading.Timer(args.deadline, on_deadline)
+    watchdog.daemon = True
+    watchdog.start()
+    faulthandler.dump_traceback_later(args.deadline + 30, exit=True)  # if even the watchdog cannot run
+    runs = []
+    for name in names:
+        try:
+            run = ModelRun(bench, name)
+        except Exception as err:
+            for measure in MEASURES:
+                for column in ("baseline", "reference", "fused"):
+                    table.set(name, measure, column, first_line(err))
+            continue
+        run.eager()
+        runs.append(run)
+    # the compiled rows last, the most wanted first: the eager ones are never what the budget leaves out
+    for stage in range(3):
+        for run in runs:
+            run.compiled(stage)
+    done.set()
+    watchdog.cancel()
+    faulthandler.cancel_dump_traceback_later()
+    print(f"\nfinished in {bench.elapsed():.0f} s")
+    print(table.render(), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_finite_json(table.to_json()), f, indent=1)
+
+
+def _finite_json(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernels.py
+counts more kernels for a converted tiny Llama than for its original."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.models import tiny_model
+from helpers.training import subprocess_env
+
+# slow: a child process that imports torch, transformers and peft, and profiled forwards and backwards
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EAGER = ("prefill", "decode b1", "decode b8")
+TRAIN = ("train step vs full", "train step vs LoRA")
+COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled")
+
+
+def _script(name: str):
+    """A benchmark script imported as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def gpu_cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "cells.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--cpu", "--json", str(out)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_gpu_script_on_cpu_prints_every_row_with_the_targets(gpu_cpu_run):
+    stdout, cells = gpu_cpu_run
+    assert "targets: prefill >= 0.97x" in stdout
+    assert "torch " in stdout and "no GPU (CPU run)" in stdout
+    table = stdout[stdout.index("model ") :]
+    rows = [line for line in table.splitlines() if line.startswith("tiny Llama (random)")]
+    measures = {row["measure"] for row in cells}
+    assert set(EAGER + TRAIN + COMPILED) | {"max |dlogits|", "train memory vs LoRA"} <= measures
+    assert len(rows) == len(cells)
+    for measure in measures:
+        assert any(f" {measure} " in line for line in rows), measure
+    assert "not reached" not in stdout  # every cell ran or says why it did not
+
+
+def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
+    _, cells = gpu_cpu_run
+    by_measure = {row["measure"]: row for row in cells}
+    for measure in EAGER + TRAIN:
+        row = by_measure[measure]
+        assert _positive(row["baseline"]) and _positive(row["reference"]), row
+        assert _positive(row["reference_ratio"]), row
+        # the fused column holds a number or says why it has none (no deltafy.fused, no CUDA)
+        assert _positive(row["fused"]) or isinstance(row["fused"], str), row
+        assert "error" not in str(row["fused"]), row
+    for measure in COMPILED:  # compiled rows are off on CPU unless --compile: a note, not a number
+        assert "--compile" in by_measure[measure]["reference"]
+    memory = by_measure["train memory vs LoRA"]
+    assert "CPU" in memory["baseline"] and memory["target"] == ["<=", 1.1]
+
+
+def test_kernel_counts_of_a_tiny_llama():
+    kernels = _script("kernels")
+    original = tiny_model("llama-tied")
+    result = kernels.count_kernels(original, phases=("decode", "train"), decode_steps=2, batch=1, seq_len=16)
+    assert not any(type(m).__name__ == "DeltaSite" for m in original.modules())  # converted a copy
+    assert result["sites"] == 4  # two layers, attention and MLP writes
+    for phase in ("decode", "train"):
+        counts = kernels.derived(result, phase)
+        assert counts["original"] > 0, result["notes"]
+        assert counts["reference"] > counts["original"]
+        assert counts["per_site"] > 0 and math.isfinite(counts["per_site"])
+        assert counts["ratio"] == pytest.approx(counts["reference"] / counts["original"])
+    assert result["notes"]["fused"]  # on CPU the fused path is not counted, and the result says why
+    names = result["names"]["decode"]["reference"]
+    assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
