@@ -322,14 +322,18 @@ class DeltaSite(nn.Module):
 
 # -- the surgery ---------------------------------------------------------------------------------
 # A site's stream and context travel from its capture to its write, kept per thread so that
-# concurrent forwards on one model never see each other's; so does the count of the writes that ran,
-# which the checkpoint's classes compare with their sites (a backend that swaps modules drops them).
-_STASH = threading.local()
+# concurrent forwards on one model never see each other's; so do the sites a checkpoint class's forward
+# waits for (_PENDING: a backend that swaps modules drops them). A forward leaves the stash as it found
+# it, so torch.compile's guards on it hold from call to call.
+class _Stash(threading.local):
+    def __init__(self):
+        self.sites = {}  # (each thread's own, made on its first use)
+
+
+_STASH, _PENDING = _Stash(), "pending"
 
 
 def _stash() -> dict:
-    if not hasattr(_STASH, "sites"):
-        _STASH.sites, _STASH.writes = {}, 0
     return _STASH.sites
 
 
@@ -385,8 +389,10 @@ class _SiteCall:
         return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        _stash()
-        _STASH.writes += len(self.writes)
+        pending = _stash().get(_PENDING)
+        if pending is not None:
+            for site in self.writes:
+                pending.discard(id(site))
         if self.channels > 1:
             return self._expanded(args, kwargs)
         output = self._forward(*args, **kwargs)
@@ -503,7 +509,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     for site_call in calls.values():
         site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
-    model._deltafy_writes = len(plan)
+    model._deltafy_writes = tuple(id(call) for site_call in calls.values() for call in site_call.writes)
     return model
 
 
@@ -798,14 +804,17 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
 
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
         def forward(self, *args, **kwargs):
-            _stash()
-            before = _STASH.writes
-            output = stock_class.forward(self, *args, **kwargs)
-            ran, sites = _STASH.writes - before, self.__dict__.get("_deltafy_writes", 0)
-            if ran < sites:  # its modules were replaced or bypassed: this was the stock model's forward
+            sites = self.__dict__.get("_deltafy_writes", ())
+            stash = _stash()
+            stash[_PENDING] = set(sites)
+            try:
+                output = stock_class.forward(self, *args, **kwargs)
+            finally:
+                missed = len(stash.pop(_PENDING, ()))
+            if missed:  # its modules were replaced or bypassed: this was the stock model's forward
                 raise DeltafyError(
-                    f"only {ran} of this deltafy model's {sites} residual sites ran: something replaced its "
-                    f"modules (vLLM's Transformers backend does); run it with transformers "
+                    f"only {len(sites) - missed} of this deltafy model's {len(sites)} residual sites ran: something "
+                    f"replaced its modules (vLLM's Transformers backend does); run it with transformers "
                     f"(trust_remote_code=True) or vLLM with deltafy's plugin"
                 )
             return output

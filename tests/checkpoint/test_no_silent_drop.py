@@ -102,3 +102,17 @@ torch.save({"message": message, "deltafy_modules": loaded}, sys.argv[-1])
     )
     got = run_deltafy_free(child, [str(folder)], tmp_path)
     assert got["message"].startswith("DeltafyError: only 2 of this deltafy model's 4 residual sites ran")
+
+
+@pytest.mark.slow
+def test_the_check_compiles_into_one_graph_that_is_never_recompiled(tmp_path):
+    """The check leaves the per-thread stash as it found it, so compiled code's guards on it hold."""
+    converted, folder = _saved(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    ids = fixed_ids(model)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for eager in (model, converted):
+            compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
+            for _ in range(3):
+                torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits)
+    torch._dynamo.reset()
