@@ -20,6 +20,7 @@ from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError, first_line
 from .files import CARD_FILE, MODELING_FILE, RECIPE_FILE
+from .fused import enable_where_available
 from .modeling_deltafy import HEADS_FILE
 from .options import Recipe
 from .placement import AUTO, auto_device_map
@@ -380,6 +381,7 @@ def load(
         )
     if device is not None:
         model.to(device)
+    enable_where_available(model)
     return model.eval()
 
 

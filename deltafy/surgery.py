@@ -9,6 +9,7 @@ from torch import nn
 
 from .architectures import layout_for, site_specs
 from .errors import DeltafyError
+from .fused import enable_where_available
 from .modeling_deltafy import (
     DELTAFY_FORMAT_VERSION,
     DeltaSite,
@@ -60,6 +61,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
     spec = build_spec(config, recipe, architecture=type(model).__name__)
     apply_deltafy(model, spec)
     config.deltafy = spec
+    enable_where_available(model)
     return model
 
 

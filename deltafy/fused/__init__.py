@@ -21,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["supported", "enable", "disable", "fused_write"]
+__all__ = ["supported", "enable", "enable_where_available", "disable", "fused_write"]
 
 _kernel = None  # deltafy.fused.kernel once imported (it imports triton); False: triton is not installed
 
@@ -78,6 +78,15 @@ def enable(model: torch.nn.Module, force: bool = False) -> int:
             site.fused = fused_write
             switched += 1
     return switched
+
+
+def enable_where_available(model: torch.nn.Module) -> int:
+    """What deltafy.convert and deltafy.load call: on a machine with CUDA and triton every site takes the
+    fused path, wherever its tensors are now (the kernels run once they are on the GPU; until then the
+    formula does). DELTAFY_FUSED=0 keeps the formula everywhere; elsewhere nothing changes."""
+    if os.environ.get("DELTAFY_FUSED", "1") == "0" or not torch.cuda.is_available() or not _load():
+        return 0
+    return enable(model, force=True)
 
 
 def disable(model: torch.nn.Module) -> int:

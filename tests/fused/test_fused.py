@@ -394,6 +394,18 @@ def test_enable_switches_nothing_on_the_cpu_without_the_interpreter(monkeypatch,
     assert not launches
 
 
+def test_convert_and_load_switch_it_on_only_where_cuda_and_triton_are(tmp_path, monkeypatch):
+    """deltafy.convert and deltafy.load call enable_where_available: every site on a CUDA machine with
+    triton (unless DELTAFY_FUSED=0), none here."""
+    cuda = torch.cuda.is_available()
+    model = deltafy.convert(tiny_model("llama-tied"), "ddl-scalar")
+    assert sum("fused" in vars(m) for m in model.modules()) == (4 if cuda else 0)
+    deltafy.save(model, tmp_path / "ckpt")
+    assert sum("fused" in vars(m) for m in deltafy.load(tmp_path / "ckpt").modules()) == (4 if cuda else 0)
+    monkeypatch.setenv("DELTAFY_FUSED", "0")
+    assert fused.enable_where_available(deltafy.load(tmp_path / "ckpt")) == 0
+
+
 def test_supported_without_the_interpreter_in_a_fresh_process():
     code = (
         "import torch, deltafy.fused as f; print(f.supported('cpu'), f.supported('cuda') == torch.cuda.is_available())"
