@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from speed import open_gates  # (benchmarks/ is on the path of a script run from it)
 
 import deltafy
 
@@ -267,20 +268,6 @@ def load(name: str, dtype: torch.dtype, device: str):
     with torch.device(device):  # initialized where it runs: 1B parameters are slow to initialize on CPU
         model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes[name]), dtype=dtype)
     return model.eval()
-
-
-def open_gates(model, seed: int = 0) -> None:
-    """Heads with a visible effect (beta ~ 0.1 to 0.5), so the correction is timed doing real work."""
-    gen = torch.Generator().manual_seed(seed)
-    sites = [m for m in model.modules() if type(m).__name__ == "DeltaSite"]
-    assert sites, "no DDL sites found"
-    with torch.no_grad():
-        for site in sites:
-            for head in (site.gate, site.target):
-                head.weight.copy_(0.05 * torch.randn(head.weight.shape, generator=gen))
-            site.gate.bias.fill_(-2.0)
-            if getattr(site, "strength", None) is not None:  # gate: strength, zero at init
-                site.strength.fill_(1.0)
 
 
 def fused_api():

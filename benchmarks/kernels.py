@@ -214,8 +214,6 @@ def fused_api():
 def fused_reason(device: str) -> str | None:
     """Why the fused path cannot be counted on ``device`` (None: it can). On CPU its Triton launches are
     counted, not run (launches_counted): TRITON_INTERPRET=1 is set here, before triton is imported."""
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     fused, why = fused_api()
     if fused is None:
         return why
@@ -266,6 +264,22 @@ def enable_fused(model) -> int:
 
 
 # -- one model -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def interpreted(device: str):
+    """On CPU, TRITON_INTERPRET=1 while counting (triton, if first imported now, in its interpreter mode;
+    deltafy.fused reads the variable at each call), as it was before afterwards."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
 def count_kernels(
     original,
     recipe: str = "ddl-scalar",
@@ -283,6 +297,11 @@ def count_kernels(
     "names": {phase: {column: Counter of kernel names}}, "notes": {column: why it is None}} with the
     phases of PHASES and the columns original, reference, fused and, with ``with_compile``, "compiled
     original", "compiled reference", "compiled fused"; ``derived(result, phase)`` adds the ratios."""
+    with interpreted(device):
+        return _count(original, recipe, device, phases, with_compile, decode_steps, train_steps, batch, seq_len)
+
+
+def _count(original, recipe, device, phases, with_compile, decode_steps, train_steps, batch, seq_len) -> dict:
     if device == "cpu":
         import torch._inductor.config as inductor_config
 

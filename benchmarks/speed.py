@@ -79,6 +79,8 @@ def open_gates(model, seed: int = 0) -> None:
             for head in (site.gate, site.target):
                 head.weight.copy_(0.05 * torch.randn(head.weight.shape, generator=gen))
             site.gate.bias.fill_(-2.0)
+            if getattr(site, "strength", None) is not None:  # gate: strength, zero at init
+                site.strength.fill_(1.0)
 
 
 @torch.inference_mode()

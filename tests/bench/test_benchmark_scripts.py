@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,7 @@ def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
 
 def test_kernel_counts_of_a_tiny_llama():
     kernels = _script("kernels")
+    interpret_before = os.environ.get("TRITON_INTERPRET")
     original = tiny_model("llama-tied")
     result = kernels.count_kernels(original, phases=("decode", "train"), decode_steps=2, batch=1, seq_len=16)
     assert not any(type(m).__name__ == "DeltaSite" for m in original.modules())  # converted a copy
@@ -93,6 +95,9 @@ def test_kernel_counts_of_a_tiny_llama():
         assert counts["reference"] > counts["original"]
         assert counts["per_site"] > 0 and math.isfinite(counts["per_site"])
         assert counts["ratio"] == pytest.approx(counts["reference"] / counts["original"])
-    assert result["notes"]["fused"]  # on CPU the fused path is not counted, and the result says why
+        # the fused path, its launches counted on CPU: far fewer ops than the formula's
+        assert 0 < counts["fused"] < counts["reference"], result["notes"]
+    assert result["counts"]["decode"]["fused"] == result["counts"]["decode"]["original"] + 4  # a launch a site
+    assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] == interpret_before
     names = result["names"]["decode"]["reference"]
     assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
