@@ -150,3 +150,43 @@ def test_servable_names_why_not(tmp_path, change, message):
     with pytest.raises(DeltafyError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         servable(section | change)
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """The bundled SmolLM2-135M: its stock weights, and a conversion whose heads `deltafy train` trained
+    (the README's 16 steps on the Shakespeare the repo ships)."""
+    from transformers import AutoTokenizer
+
+    from deltafy.conversion.job import convert_source
+    from deltafy.sources.load import load_source
+
+    root = tmp_path_factory.mktemp("smollm")
+    convert_source("smollm2-135m", root / "converted")
+    text = Path(__file__).parents[2] / "examples" / "shakespeare" / "midsummer-acts-1-4.md"
+    train = [sys.executable, "-m", "deltafy", "train", str(root / "converted"), "--data", str(text)]
+    train += ["--out", str(root / "trained"), "--steps", "16", "--seq-len", "128"]
+    run = subprocess.run(train, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    load_source("smollm2-135m").model.save_pretrained(root / "stock")
+    tokenizer = AutoTokenizer.from_pretrained(root / "converted", trust_remote_code=True)
+    texts = ["The quick brown fox", "To be, or not to be, that is the question:"]
+    return root, [tokenizer(text)["input_ids"] for text in texts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_serves_smollm2_with_its_trained_heads(smollm, dtype):
+    root, prompts = smollm
+    results = served(root / "trained", dtype, prompts)
+    same, worst = compare(prompts, results, transformers_logprobs(root / "trained", dtype, prompts, results))
+    _, stock = compare(prompts, results, transformers_logprobs(root / "trained", dtype, prompts, results, heads=False))
+    # the stock model through vLLM's own Llama: how far vLLM and transformers part in this dtype anyway
+    base = served(root / "stock", dtype, prompts)
+    _, control = compare(prompts, base, transformers_logprobs(root / "stock", dtype, prompts, base))
+    print(
+        f"SmolLM2 {dtype}: max |Δ log-prob| vs transformers {worst:.2g} (the stock model's: {control:.2g}), "
+        f"vs the stock model {stock:.2g}"
+    )
+    assert same and stock > 0.5  # trained heads move SmolLM2's log-probs by about a nat
+    assert worst <= (1e-4 if dtype == "float32" else 2 * control)
