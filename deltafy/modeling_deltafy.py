@@ -16,15 +16,15 @@
 # Sections and their public names (deltafy imports no other):
 #   the spec      DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
 #   the math      ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
-#   the surgery   apply_deltafy, remove_deltafy, disabled, first_input, discard_captures, delta_sites,
-#                 delta_tensors
-#   checkpoints   HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files,
-#                 sha256_files, deltafy_classes (and the heads-only loader)
+#   the surgery   apply_deltafy, remove_deltafy, disabled, first_input, discard_captures, delta_sites, delta_tensors
+#   checkpoints   HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files, sha256_files,
+#                 deltafy_classes (and the heads-only loader)
 from __future__ import annotations
 
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import math
 import re
 import threading
@@ -49,8 +49,8 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
 
 
 # -- the spec: what the surgery needs, stored as the "deltafy" section of the config ---------------
-# A config is text anyone can edit, so it is checked as when deltafy wrote it (a NaN eps would load
-# and run, and every loss would be NaN). A rule is (test, what the value must be).
+# A config is text anyone can edit, so it is checked as when deltafy wrote it (a NaN eps would load and
+# run, and every loss would be NaN). A rule is (test, what the value must be).
 _finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
 _TEXT = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _COUNT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
@@ -58,20 +58,12 @@ _NUMBER = (_finite, "a finite number")
 _POSITIVE = (lambda v: _finite(v) and v > 0, "a finite number > 0")
 _HEX = lambda n: lambda v: isinstance(v, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", v) is not None  # noqa: E731
 _OBJECT = (lambda v: isinstance(v, dict), "an object")
-
-
-def _one_of(*choices) -> tuple:
-    return (lambda v: v in choices, " or ".join(map(repr, choices)))
+_one_of = lambda *choices: (lambda v: v in choices, " or ".join(map(repr, choices)))  # noqa: E731
 
 
 def _need(field: str, rule: tuple, value) -> None:
     if not rule[0](value):
         raise DeltafyError(f"{field} must be {rule[1]}, got {value!r}")
-
-
-def _check(where: str, rules: dict, values: dict) -> None:
-    for field, rule in rules.items():
-        _need(where + field, rule, values[field])
 
 
 @dataclass(frozen=True)
@@ -89,8 +81,8 @@ class SiteSpec:
         _need("a site's name", _TEXT, self.name)
         rules = {"write": _TEXT, "stream": (lambda v: isinstance(v, str), "a string")}
         rules |= {"context": _one_of("output", "input"), "scale": _POSITIVE}
-        rules |= {"norm_after": (lambda v: v is None or _TEXT[0](v), _TEXT[1])}
-        _check(f"site {self.name!r}: ", rules, vars(self))
+        for field, rule in (rules | {"norm_after": (lambda v: v is None or _TEXT[0](v), _TEXT[1])}).items():
+            _need(f"site {self.name!r}: {field}", rule, getattr(self, field))
 
 
 @dataclass(frozen=True)
@@ -111,8 +103,8 @@ class DeltaSpec:
         rules = {"layers": _TEXT, "hidden_size": _COUNT, "direction": _one_of("sublayer", "learned")}
         rules |= {"gate": _one_of("logit", "strength"), "gate_bias": _NUMBER, "eps": _POSITIVE, "channels": _COUNT}
         rules |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
-        rules |= {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}
-        _check("", rules, vars(self))
+        for field, rule in (rules | {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}).items():
+            _need(field, rule, getattr(self, field))
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
         object.__setattr__(self, "sites", tuple(map(_site, self.sites)))
@@ -144,9 +136,8 @@ def _site(site) -> SiteSpec:
 
 # -- the math ------------------------------------------------------------------------------------
 def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The stream after ``site``'s write, x + m h + alpha beta (v - k^T x) k, written out plainly in
-    float64 from its heads: what DeltaSite.formula computes fused. With d_v channels x is (d_v, ...)
-    and every channel receives the same write h and its own target v_j."""
+    """The stream after ``site``'s write, x + m h + alpha beta (v - k^T x) k, plainly in float64: what
+    DeltaSite.formula computes fused. With d_v channels x is (d_v, ...): each gets h and its own target v_j."""
     w = {name: p.detach().double() for name, p in site.named_parameters()}
     x, c, h, m = x.double(), c.double(), h.double(), site.scale
     c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-6)  # the heads read the unit context
@@ -165,9 +156,8 @@ def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Te
     return out if site.channels > 1 else out[0]
 
 
-def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # a Python check, not type_as: on the decode path every dispatched call costs microseconds
-    return param if param.dtype == x.dtype else param.to(x.dtype)
+# a Python check, not type_as: on the decode path every dispatched call costs microseconds
+_like = lambda param, x: param if param.dtype == x.dtype else param.to(x.dtype)  # noqa: E731
 
 
 class DeltaDirection(nn.Module):
@@ -179,8 +169,7 @@ class DeltaDirection(nn.Module):
         if rank is None:
             self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
         else:
-            self.down = nn.Linear(hidden_size, rank, bias=False)
-            self.up = nn.Linear(rank, hidden_size, bias=False)
+            self.down, self.up = nn.Linear(hidden_size, rank, bias=False), nn.Linear(rank, hidden_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -198,13 +187,11 @@ class DeltaDirection(nn.Module):
 
 
 class DeltaRead(nn.Module):
-    """The view ``sum_j r_j x_j`` of an expanded stream's channels (d_v along dim 0), its read weights
-    summing to 1 so that the view keeps the scale the pretrained layers were trained on. Computed as
-    ``x_0 + sum_{j>0} r_j (x_j - x_0)``: channels that agree read as exactly that stream.
-
-    The weights start distinct, r_j = (2j + 1) / d_v^2 rolled by ``offset`` places (one more at each
-    read of a model): equal weights, or the same ones at every read, would hand the equal channels
-    proportional gradients, which Adam turns into identical steps, and they would stay copies."""
+    """The view ``sum_j r_j x_j`` of an expanded stream's channels (d_v along dim 0). The weights sum to 1, which
+    keeps the scale the pretrained layers were trained on; computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``,
+    channels that agree read as exactly that stream. The weights start distinct, r_j = (2j + 1) / d_v^2 rolled
+    ``offset`` places (one more at each read): equal weights would hand the equal channels proportional
+    gradients, which Adam turns into identical steps, and the channels would stay copies."""
 
     def __init__(self, channels: int, offset: int = 0):
         super().__init__()
@@ -233,10 +220,9 @@ class DeltaRead(nn.Module):
 
 
 class DeltaSite(nn.Module):
-    """The DDL heads of one residual write (``site`` of the conversion ``spec``): gate beta, target v,
-    optional direction k and strength alpha, and, when it is the first site to read an expanded stream's
-    module, that module's read weights (``read``: their offset). Attached as ``layer.delta[site.name]``.
-    ``forward(x, c, h)`` returns the write h' that the layer adds in place of its own write h."""
+    """The DDL heads of one residual write (``site`` of ``spec``), as ``layer.delta[site.name]``: gate beta,
+    target v, optional direction k and strength alpha, and the read weights (``read``: their offset) of an
+    expanded stream's module that it is the first site to read."""
 
     # The one seam for a fast path: a function (site, x, c, h) -> h' equal to formula(x, c, h), set on an
     # instance by deltafy where it is supported (deltafy.fused); it reads the parameters on every call.
@@ -248,8 +234,7 @@ class DeltaSite(nn.Module):
         self.name, self.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         self.eps, self.gate_bias_init, self.channels = float(spec.eps), float(spec.gate_bias), spec.channels
         self.scale, self.context = float(site.scale), site.context
-        self.gate = nn.Linear(d, 1)
-        self.target = nn.Linear(d, spec.channels)  # v: one target per channel
+        self.gate, self.target = nn.Linear(d, 1), nn.Linear(d, spec.channels)  # v: one target per channel
         self.direction = DeltaDirection(d, spec.rank) if spec.direction == "learned" else None
         # alpha: one element, not a 0-d tensor (FSDP2 shards only parameters of at least one dimension)
         self.strength = nn.Parameter(torch.zeros(1)) if spec.gate == "strength" else None
@@ -260,15 +245,12 @@ class DeltaSite(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, self.gate_bias_init)
-        nn.init.zeros_(self.target.weight)
-        nn.init.zeros_(self.target.bias)
-        for part in (self.direction, self.read):
-            if part is not None:
+        for part in (self.gate.weight, self.target.weight, self.target.bias, self.strength, self.direction, self.read):
+            if isinstance(part, nn.Module):
                 part.reset_parameters()
-        if self.strength is not None:
-            nn.init.zeros_(self.strength)
+            elif part is not None:
+                nn.init.zeros_(part)
 
     def extra_repr(self) -> str:
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
@@ -277,11 +259,10 @@ class DeltaSite(nn.Module):
         return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}"
 
     def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(g, u, 1/|c|) per token, in c's precision: the gate logit (beta = 2 sigmoid(g)) and the target
-        (v = u rms(x), channels first when d_v > 1). Both read the unit context c/|c| (dividing their dot
-        products by |c|), so an Adam step of size lr moves them by at most lr sqrt(d) whatever the model's
-        norms; v in units of the stream's RMS lets one learning rate fit models of any scale. Vecdots, not
-        a matmul of the stacked heads: on CPU the cat and the addmm cost 8 us more a site (measured)."""
+        """(g, u, 1/|c|) per token in c's precision: gate logit (beta = 2 sigmoid(g)), target (v = u rms(x),
+        channels first). Both read the unit context, so an Adam step lr moves them by at most lr sqrt(d) at any
+        model's norms; v in RMS units lets one lr fit every scale. Vecdots, not a matmul of the stacked heads:
+        on CPU the cat and the addmm cost 8 us more a site (measured)."""
         gate, target, dot = self.gate, self.target, torch.linalg.vecdot
         inv_norm_c = torch.rsqrt(dot(c, c) + 1e-6)
         g = torch.addcmul(_like(gate.bias, c), dot(c, _like(gate.weight, c)), inv_norm_c)
@@ -291,35 +272,29 @@ class DeltaSite(nn.Module):
         return g, u.movedim(-1, 0), inv_norm_c
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The write h' that the layer adds in place of its own h: the fused path where deltafy set one,
-        else the formula."""
+        """The write h' that the layer adds in place of its own h: the fused path where set, else the formula."""
         return self.formula(x, c, h) if self.fused is None else self.fused(self, x, c, h)
 
     def formula(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h' such that the layer's ``x + m h'`` is ``x + m h + alpha beta (v - k^T x) k`` (ddl_reference),
-        computed in fp32 (or h's precision where wider) and returned in h's dtype; with d_v channels x is
-        (d_v, ...) and h' holds a write per channel. Per token it is a few dot products and fused
-        multiply-adds (no matmul, no dtype call that does nothing): a decode step costs a dispatch per op."""
+        """h' such that ``x + m h'`` is ddl_reference's, in fp32 (or h's wider precision) and returned in h's
+        dtype; with d_v channels x and h' are (d_v, ...). Only dot products and fused multiply-adds, no matmul
+        and no dtype call that does nothing: a decode step costs a dispatch per op."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.formula(x, c, h)
-        dtype = h.dtype
-        work = torch.promote_types(dtype, torch.float32)
+        dtype, work, dot = h.dtype, torch.promote_types(h.dtype, torch.float32), torch.linalg.vecdot
         if not x.dtype == c.dtype == dtype == work:
             x, c, h = x.to(work), c.to(work), h.to(work)
-        dot = torch.linalg.vecdot
         g, u, inv_norm_c = self.heads(c)
-        # k = kr / n, n = sqrt(|kr|^2 + eps^2): the sublayer's write (kr = h, the layer's scale m folded
-        # into eps) or a learned head on the unit context
+        # k = kr / sqrt(|kr|^2 + eps^2): the sublayer's write (kr = h, m folded into eps) or a learned head
         if self.direction is None:
             kr, eps = h, self.eps / self.scale
         else:
             kr, eps = self.direction(c * inv_norm_c.unsqueeze(-1)), self.eps
         inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
-        miss = torch.addcmul(
-            dot(kr, x) * inv_n, u, torch.linalg.vector_norm(x, dim=-1), value=-(self.hidden_size**-0.5)
-        )
+        norm_x = torch.linalg.vector_norm(x, dim=-1)
+        miss = torch.addcmul(dot(kr, x) * inv_n, u, norm_x, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
         coef = torch.sigmoid(g) * miss * inv_n
         if self.strength is not None:  # alpha = 0 at init: h' = h bitwise
@@ -329,20 +304,16 @@ class DeltaSite(nn.Module):
 
 
 # -- the surgery ---------------------------------------------------------------------------------
-# A site's stream and context travel from its capture to its write, kept per thread so that
-# concurrent forwards on one model never see each other's; so do the sites a checkpoint class's forward
-# waits for (_PENDING: a backend that swaps modules drops them). A forward leaves the stash as it found
-# it, so torch.compile's guards on it hold from call to call.
+# A site's stream and context travel from its capture to its write, per thread so that concurrent forwards
+# never see each other's; so do the sites a checkpoint class's forward waits for (_PENDING: a backend that
+# swaps modules drops them). A forward leaves the stash as it found it: torch.compile's guards on it hold.
 class _Stash(threading.local):
     def __init__(self):
         self.sites = {}  # (each thread's own, made on its first use)
 
 
 _STASH, _PENDING = _Stash(), "pending"
-
-
-def _stash() -> dict:
-    return _STASH.sites
+_stash = lambda: _STASH.sites  # noqa: E731
 
 
 def discard_captures() -> None:
@@ -361,34 +332,23 @@ def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict
     return args, {**kwargs, "hidden_states": x}
 
 
-def _output(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _with_output(output, h: torch.Tensor):
-    return (h, *output[1:]) if isinstance(output, tuple) else h
-
-
-def _tile(x: torch.Tensor, channels: int) -> torch.Tensor:
-    return x.repeat(channels, *(1,) * (x.dim() - 1))
+# a module's output is h or a tuple (h, ...); an expanded stream's first input is its channels, tiled
+_output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
+_with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
+_tile = lambda x, channels: x.repeat(channels, *(1,) * (x.dim() - 1))  # noqa: E731
 
 
 class _SiteCall:
-    """The ``forward`` deltafy installs on a module that takes part in a site: the module's own forward
-    (or the wrapper installed before ours, e.g. accelerate's hooks), then the capture of x and c for the
-    sites whose stream it is and the write ``h <- site(x, c, h)`` of those whose write it is (OPT's
-    post-LN attention is both). An instance attribute, not forward hooks: torch.compile traces it as
-    plain code, and a module without hooks keeps torch's fast call path. ``enabled`` False (disabled())
-    turns the corrections off; with no sites (remove_deltafy under a later wrapper) it passes through.
-
-    An expanded stream (``channels`` > 1) travels as its channels stacked along dim 0: the first layer's
-    input becomes d_v copies (``expand``), a stream module runs on the view of its ``read`` while its
-    sites see the channels, and the last layer returns the view of the ``final`` read."""
+    """The ``forward`` deltafy sets on a module of a site: its own forward (or the wrapper set before ours, e.g.
+    accelerate's), then the capture of x and c for the sites whose stream it is and the write h <- site(x, c, h)
+    of those whose write it is (OPT's post-LN attention is both). An instance attribute, not hooks: torch.compile
+    traces plain code, and a module without hooks keeps torch's fast call path. An expanded stream travels as
+    its channels stacked on dim 0: the first layer's input becomes d_v copies (``expand``), a stream module runs
+    on the view of its ``read`` while its sites see the channels, and the last layer returns the ``final`` view."""
 
     def __init__(self, module: nn.Module):
         self.module, self.inner = module, module.__dict__.get("forward")
-        self.captures: list[DeltaSite] = []
-        self.writes: list[DeltaSite] = []
+        self.captures, self.writes = [], []  # the sites whose stream, and whose write, it is
         self.enabled, self.channels, self.expand, self.read, self.final = True, 1, False, None, None
 
     def _forward(self, *args, **kwargs):
@@ -401,10 +361,20 @@ class _SiteCall:
         if pending is not None:
             for site in self.writes:
                 pending.discard(id(site))
-        if self.channels > 1:
-            return self._expanded(args, kwargs)
+        channels = None  # an expanded stream's channels, where this module reads their view
+        if self.expand:
+            args, kwargs = _with_first(args, kwargs, _tile(first_input(args, kwargs), self.channels))
+        elif self.read is not None:
+            channels = first_input(args, kwargs).unflatten(0, (self.channels, -1))
+            args, kwargs = _with_first(args, kwargs, self.read(channels))
         output = self._forward(*args, **kwargs)
-        return self._sites(args, kwargs, output) if self.enabled else output
+        if self.enabled:
+            output = self._sites(args, kwargs, output, channels)
+        elif self.writes and self.channels > 1:  # disabled, every channel receives the write as it is
+            output = _with_output(output, _tile(_output(output), self.channels))
+        if self.final is not None:
+            output = _with_output(output, self.final(_output(output).unflatten(0, (self.channels, -1))))
+        return output
 
     def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
@@ -421,22 +391,6 @@ class _SiteCall:
             output = _with_output(output, h.flatten(0, 1) if self.channels > 1 else h)
         return output
 
-    def _expanded(self, args: tuple, kwargs: dict):
-        channels = None
-        if self.expand:
-            args, kwargs = _with_first(args, kwargs, _tile(first_input(args, kwargs), self.channels))
-        elif self.read is not None:
-            channels = first_input(args, kwargs).unflatten(0, (self.channels, -1))
-            args, kwargs = _with_first(args, kwargs, self.read(channels))
-        output = self._forward(*args, **kwargs)
-        if self.enabled:
-            output = self._sites(args, kwargs, output, channels)
-        elif self.writes:  # disabled, every channel receives the write as it is
-            output = _with_output(output, _tile(_output(output), self.channels))
-        if self.final is not None:
-            output = _with_output(output, self.final(_output(output).unflatten(0, (self.channels, -1))))
-        return output
-
     def extra_repr(self) -> str:
         """The module's own extra_repr and its roles in the sites: print(model) shows the surgery."""
         roles = [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
@@ -446,41 +400,33 @@ class _SiteCall:
         return ", ".join(filter(None, (own, "deltafy: " + ", ".join(roles) if roles else "")))
 
 
-def _layers(model: nn.Module, path: str) -> nn.ModuleList:
-    # The spec's path is the causal LM's ("model.layers"); the bare model (AutoModel) holds the layers
-    # below its base_model_prefix ("layers", GPT-2's "h", OPT's "decoder.layers").
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    if path.startswith(prefix) and getattr(model, "base_model", None) is model:
-        path = path[len(prefix) :]
-    try:
-        layers = model.get_submodule(path)
-    except AttributeError as err:
-        raise DeltafyError(f"this model has no decoder layers at {path!r}") from err
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise DeltafyError(f"{path!r} is not a non-empty list of decoder layers")
-    return layers
-
-
 def _site_modules(layer: nn.Module, site: SiteSpec) -> tuple[nn.Module, nn.Module]:
     try:
         return (layer.get_submodule(site.stream) if site.stream else layer), layer.get_submodule(site.write)
     except AttributeError as err:
-        raise DeltafyError(
-            f"site {site.name!r} names a module that {type(layer).__name__} does not have ({err})"
-        ) from err
+        what = f"site {site.name!r} names a module that {type(layer).__name__} does not have"
+        raise DeltafyError(f"{what} ({err})") from err
 
 
 def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
-    """Attach DDL heads to every site of every decoder layer of ``model``, in place. ``spec`` is a
-    DeltaSpec or a converted config's ``deltafy`` section. Every module is resolved before anything is
-    attached, so a map that does not fit leaves the model untouched."""
+    """Attach DDL heads to every site of every decoder layer of ``model`` in place (``spec``: a DeltaSpec or a
+    ``deltafy`` config section). All modules are resolved first: a map that does not fit leaves it untouched."""
     spec = spec if isinstance(spec, DeltaSpec) else DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise DeltafyError("this model is already converted")
     d_v = spec.channels
     if d_v > 1 and any(site.stream == "" for site in spec.sites):
         raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
-    layers = _layers(model, spec.layers)
+    # the spec's path is the causal LM's; the bare model (AutoModel) holds the layers below its base_model_prefix
+    prefix, path = getattr(model, "base_model_prefix", "") + ".", spec.layers
+    if getattr(model, "base_model", None) is model:
+        path = path.removeprefix(prefix)
+    try:
+        layers = model.get_submodule(path)
+    except AttributeError as err:
+        raise DeltafyError(f"this model has no decoder layers at {path!r}") from err
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise DeltafyError(f"{path!r} is not a non-empty list of decoder layers")
     plan = [(layer, site, *_site_modules(layer, site)) for layer in layers for site in spec.sites]
     # A model built on the meta device outside a loading context (a streaming conversion) gets real heads,
     # whose init values the conversion writes; inside transformers' loading context they are meta, and loaded.
@@ -496,8 +442,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
 
     reads = 0  # an expanded stream's reads so far: each starts its weights one place further round
     for layer, site, stream, write in plan:
-        # the first site to read a stream module holds its view's read weights (a parallel layer's
-        # two sublayers read one norm: one view)
+        # the first site to read a stream module holds its view's read weights (parallel sublayers: one view)
         read = d_v > 1 and id(stream) not in calls
         delta = DeltaSite(spec, site, read=reads if read else None).to(**place)
         reads += read
@@ -512,10 +457,8 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         layers[-1].delta["final"] = DeltaRead(d_v, reads).to(**place)
         call(layers[0], layers[0]).expand = True
         call(layers[-1], layers[-1]).final = layers[-1].delta["final"]
-        for site_call in calls.values():
-            site_call.channels = d_v
     for site_call in calls.values():
-        site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
+        site_call.channels, site_call.module.forward, site_call.module.extra_repr = d_v, site_call, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
     model._deltafy_writes = tuple(id(call) for site_call in calls.values() for call in site_call.writes)
     return model
@@ -530,7 +473,7 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
     for call in calls:
         call.module.__dict__.pop("extra_repr", None)
         if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: pass through
-            call.captures, call.writes, call.channels = [], [], 1
+            call.captures, call.writes, call.channels, call.expand, call.read, call.final = [], [], 1, False, None, None
         elif call.inner is None:
             del call.module.forward
         else:
@@ -597,10 +540,8 @@ def _misfit(source: str, missing: list[str], unexpected: list[str]) -> None:
 
 
 def check_heads(stored: dict, heads: dict, source: str) -> None:
-    """Refuse ``stored`` head tensors unless they fit the model's ``heads`` (both by name) exactly, each of
-    its shape and floating point; checked before anything is copied, since copy_ would broadcast a (1,)
-    target over a row of 64 and make floats of integers. Another float precision is cast, as
-    transformers casts every weight."""
+    """Refuse ``stored`` heads unless they match ``heads`` by name, shape and being floats (any precision: cast),
+    before any copy_, which would broadcast a (1,) target over a row of 64 and make floats of integers."""
     _misfit(source, sorted(heads.keys() - stored.keys()), sorted(stored.keys() - heads.keys()))
     for name in sorted(heads):
         got, want = stored[name], heads[name]
@@ -611,8 +552,8 @@ def check_heads(stored: dict, heads: dict, source: str) -> None:
 
 
 def check_base_record(record) -> dict:
-    """The config's record of a heads-only checkpoint's base, refused unless it is a Hub model pinned to
-    a commit or a local one with the SHA-256 of its weight files (else any folder at that path would do)."""
+    """The config's record of a heads-only checkpoint's base, refused unless it is a Hub model pinned to a
+    commit or a local one with the SHA-256 of its weight files (else any folder at that path would do)."""
     forms = '{"id", "revision"} (a Hub model) or {"path", "sha256"} (a local one)'
     _need("deltafy.base", (lambda v: isinstance(v, dict) and ("id" in v or "path" in v), forms), record)
     if "id" in record:
@@ -655,15 +596,18 @@ def sha256_files(paths: list[Path]) -> dict[str, str]:
 
 
 def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | None, str, dict]:
-    """The local base (None for the Hub), what to pass from_pretrained and the kwargs that pin it; a
-    local base is hash-checked. ``given``: where the user said it is (deltafy_base), or None."""
+    """The local base (None for the Hub), what to pass from_pretrained and the kwargs that pin it; a local
+    base is hash-checked. ``given``: where the user said it is (deltafy_base), or None."""
     if "id" in record and given is None:
         return None, record["id"], {"revision": record["revision"]}
     location = Path(str(given if given is not None else record["path"])).expanduser()
     if given is None and not location.is_absolute() and folder is not None:
         location = folder / location
-    if given is None and not location.exists() and record.get("package"):
-        location = _packaged_file(record["package"], Path(record["path"]).name) or location
+    if given is None and not location.exists() and record.get("package"):  # a bundled alias's GGUF, in its package
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            files = importlib.metadata.distribution(record["package"]).files or ()
+            name = Path(record["path"]).name
+            location = next((Path(f.locate()) for f in files if f.name == name), location)
     want = record.get("sha256", {})  # (a local copy of a Hub base has none: _from_base checks what it loads)
     if not location.exists():
         if given is not None:
@@ -687,17 +631,6 @@ def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | Non
     return location, str(location), {}
 
 
-def _packaged_file(package: str, name: str) -> Path | None:
-    """A base shipped inside an installed package (a bundled alias's GGUF), wherever it is installed."""
-    import importlib.metadata
-
-    try:
-        files = importlib.metadata.distribution(package).files or ()
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return next((Path(f.locate()) for f in files if f.name == name), None)
-
-
 def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseException) -> BaseModelError:
     from transformers.utils.hub import is_offline_mode, try_to_load_from_cache
 
@@ -718,8 +651,7 @@ def _unloadable(record: dict, location: str, pin: dict, hub: dict, err: BaseExce
 
 
 def _from_base(cls, stock_class: type, path, config, kwargs: dict):
-    """Load a heads-only checkpoint: the stock base model (transformers' own loading, key renames and
-    all), the surgery, then the heads. Returns what ``from_pretrained`` would."""
+    """A heads-only checkpoint: the stock base (transformers' own loading, key renames and all), surgery, heads."""
     from safetensors.torch import load_file
     from transformers import GenerationConfig
     from transformers.utils.hub import cached_file, extract_commit_hash
@@ -778,9 +710,8 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_class: type) -> tuple[type, type, type]:
-    """Config, causal-LM and bare-model (AutoModel) classes of a converted checkpoint, derived from its
-    base family: subclassing keeps every original tensor name, generation, tied weights and device maps
-    exactly as transformers implements them for that family."""
+    """Config, causal-LM and bare-model (AutoModel) classes of a checkpoint, subclassing its base family's:
+    every tensor name, generation, tied weights and device maps exactly as transformers does them for it."""
 
     class DeltafyConfig(base_config_class):
         model_type = "deltafy"
@@ -802,8 +733,8 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             model, info = load(
                 cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
             )
-            # transformers would leave a missing head uninitialized (they are marked initialized: their init
-            # is deltafy's) and drop one the spec does not make: both refused, by name
+            # transformers would leave a missing head uninitialized (marked initialized: deltafy's init) and drop
+            # one the spec does not make: both refused, by name
             missing, unexpected = (
                 [k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")
             )
@@ -812,8 +743,7 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
 
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
         def forward(self, *args, **kwargs):
-            sites = self.__dict__.get("_deltafy_writes", ())
-            stash = _stash()
+            sites, stash = self.__dict__.get("_deltafy_writes", ()), _stash()
             stash[_PENDING] = set(sites)
             try:
                 output = stock_class.forward(self, *args, **kwargs)
@@ -827,21 +757,15 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
                 )
             return output
 
-        body = {"config_class": DeltafyConfig, "__init__": __init__, "from_pretrained": from_pretrained}
-        body["forward"] = forward
-        # transformers picks the attention and expert kernels a class may use by reading its module's
-        # source; this file is not the family's, so ask the family (else a full MoE checkpoint would run
-        # its experts eagerly and differ from its base's grouped_mm in rounding)
+        body = dict(config_class=DeltafyConfig, __init__=__init__, from_pretrained=from_pretrained, forward=forward)
+        # transformers picks a class's attention and expert kernels by reading its module's source: not this file,
+        # ask the family (else a full MoE checkpoint would run its experts eagerly, rounding unlike grouped_mm)
         for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
             if hasattr(stock_class, probe):
                 body[probe] = classmethod(lambda cls, probe=probe: getattr(stock_class, probe)())
         return type(name, (stock_class,), body)
 
-    classes = (
-        DeltafyConfig,
-        _deltafy_class(base_model_class, "DeltafyForCausalLM"),
-        _deltafy_class(bare_model_class, "DeltafyModel"),
-    )
-    for cls in classes:
+    made = (_deltafy_class(base_model_class, "DeltafyForCausalLM"), _deltafy_class(bare_model_class, "DeltafyModel"))
+    for cls in (DeltafyConfig, *made):
         cls.__qualname__, cls.__module__ = cls.__name__, __name__
-    return classes
+    return (DeltafyConfig, *made)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,8 @@ def smollm(tmp_path_factory):
     run = subprocess.run(train, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     load_source("smollm2-135m").model.save_pretrained(root / "stock")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "converted" / name, root / "stock" / name)
     tokenizer = AutoTokenizer.from_pretrained(root / "converted", trust_remote_code=True)
     texts = ["The quick brown fox", "To be, or not to be, that is the question:"]
     return root, [tokenizer(text)["input_ids"] for text in texts]
@@ -190,3 +193,28 @@ def test_vllm_serves_smollm2_with_its_trained_heads(smollm, dtype):
     )
     assert same and stock > 0.5  # trained heads move SmolLM2's log-probs by about a nat
     assert worst <= (1e-4 if dtype == "float32" else 2 * control)
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_scores_what_the_folder_holds(smollm, monkeypatch):
+    """lm-evaluation-harness's hf route (the docs' evaluation route) on the repo's local task: a fresh
+    conversion scores as its stock model, the trained heads score otherwise."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    root, _ = smollm
+    repo = Path(__file__).parents[2]
+    monkeypatch.chdir(repo)  # the task's data_files path is the repository's
+    tasks = TaskManager(include_path=str(repo / "examples" / "lm-eval"))
+
+    def bits_per_byte(folder: str) -> float:
+        args = f"pretrained={root / folder},trust_remote_code=True,dtype=float32"
+        out = lm_eval.simple_evaluate(
+            model="hf", model_args=args, tasks=["midsummer"], task_manager=tasks, limit=4, device="cpu"
+        )
+        return out["results"]["midsummer"]["bits_per_byte,none"]
+
+    stock, converted, trained = (bits_per_byte(folder) for folder in ("stock", "converted", "trained"))
+    print(f"lm-eval midsummer bits/byte: stock {stock:.6f}, converted {converted:.6f}, trained {trained:.6f}")
+    assert converted == pytest.approx(stock, abs=1e-6)
+    assert abs(trained - stock) > 1e-3
