@@ -126,6 +126,15 @@ def test_vllm_serves_the_heads(tmp_path, family, recipe):
     assert stock > 1e-2  # served without its heads, this test would fail
 
 
+def test_vllm_compiles_the_heads(tmp_path):
+    """vLLM's default: the model compiled by torch.compile (inductor on CPU), the sites traced into it."""
+    folder = converted(tmp_path / "delta", "llama", "ddl-learned")
+    results = served(folder, enforce_eager=False)
+    same, worst = compare(PROMPTS, results, transformers_logprobs(folder, "float32", PROMPTS, results))
+    print(f"llama ddl-learned compiled: max |Δ log-prob| vs transformers {worst:.2g}")
+    assert same and worst <= 1e-4
+
+
 def test_the_transformers_backend_refuses_instead_of_serving_the_stock_model(tmp_path):
     folder = converted(tmp_path / "delta", "llama")
     said = refused(folder, model_impl="transformers", trust_remote_code=True)

@@ -14,11 +14,9 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 folder, dtype, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-kwargs = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+kwargs = {"enforce_eager": True} | (json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
 try:
-    llm = LLM(
-        model=folder, dtype=dtype, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True, seed=0, **kwargs
-    )
+    llm = LLM(model=folder, dtype=dtype, max_model_len=128, skip_tokenizer_init=True, seed=0, **kwargs)
 except Exception as err:  # the test reads what vLLM said
     print("REFUSED", json.dumps(f"{type(err).__name__}: {err}"))
     sys.exit(3)
