@@ -98,10 +98,12 @@ class DeltaSpec:
     eps: float = 1e-6  # k = kr / sqrt(|kr|^2 + eps^2)
     gate: str = "logit"  # "strength": alpha = 0 at init turns the correction off, as LoRA's B = 0 does
     channels: int = 1  # d_v: the stream's channels (1: the scalar DDL; > 1: the paper's expanded state)
+    erase: bool = True  # False: the write-only control x + m h + alpha beta v k, without DDL's erase term -k^T x
 
     def __post_init__(self):
         rules = {"layers": _TEXT, "hidden_size": _COUNT, "direction": _one_of("sublayer", "learned")}
         rules |= {"gate": _one_of("logit", "strength"), "gate_bias": _NUMBER, "eps": _POSITIVE, "channels": _COUNT}
+        rules |= {"erase": (lambda v: isinstance(v, bool), "true or false")}
         rules |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
         for field, rule in (rules | {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}).items():
             _need(field, rule, getattr(self, field))
@@ -152,7 +154,8 @@ def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Te
     xs = x if site.channels > 1 else x.unsqueeze(0)  # (d_v, ..., d): one channel for the scalar DDL
     rms = torch.sqrt((xs * xs).mean(-1, keepdim=True))
     v = (c @ w["target.weight"].T + w["target.bias"]).movedim(-1, 0).unsqueeze(-1) * rms  # v_j per channel
-    out = xs + m * h + beta * (v - (k * xs).sum(-1, keepdim=True)) * k
+    kx = (k * xs).sum(-1, keepdim=True) if site.erase else 0.0
+    out = xs + m * h + beta * (v - kx) * k
     return out if site.channels > 1 else out[0]
 
 
@@ -233,7 +236,7 @@ class DeltaSite(nn.Module):
         d = self.hidden_size = spec.hidden_size
         self.name, self.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         self.eps, self.gate_bias_init, self.channels = float(spec.eps), float(spec.gate_bias), spec.channels
-        self.scale, self.context = float(site.scale), site.context
+        self.scale, self.context, self.erase = float(site.scale), site.context, spec.erase
         self.gate, self.target = nn.Linear(d, 1), nn.Linear(d, spec.channels)  # v: one target per channel
         self.direction = DeltaDirection(d, spec.rank) if spec.direction == "learned" else None
         # alpha: one element, not a 0-d tensor (FSDP2 shards only parameters of at least one dimension)
@@ -256,7 +259,8 @@ class DeltaSite(nn.Module):
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
         gate = "" if self.strength is None else ", gate=strength"
         channels = "" if self.channels == 1 else f", channels={self.channels}"
-        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}"
+        erase = "" if self.erase else ", write-only"
+        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}{erase}"
 
     def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(g, u, 1/|c|) per token in c's precision: gate logit (beta = 2 sigmoid(g)), target (v = u rms(x),
@@ -294,7 +298,8 @@ class DeltaSite(nn.Module):
         inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
         norm_x = torch.linalg.vector_norm(x, dim=-1)
-        miss = torch.addcmul(dot(kr, x) * inv_n, u, norm_x, value=-(self.hidden_size**-0.5))
+        kx = dot(kr, x) * inv_n if self.erase else torch.zeros_like(norm_x)  # (write-only: no readout to erase)
+        miss = torch.addcmul(kx, u, norm_x, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
         coef = torch.sigmoid(g) * miss * inv_n
         if self.strength is not None:  # alpha = 0 at init: h' = h bitwise

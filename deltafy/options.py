@@ -128,6 +128,12 @@ class Recipe(BaseModel):
         "one more stream's worth of activation memory)",
     )
 
+    erase: bool = Field(
+        DeltaSpec.erase,
+        description="false: the write-only control x + h + alpha*beta*v*k, without DDL's erase term -beta*(k.x)*k "
+        "(what the erase term adds is the difference)",
+    )
+
     @field_validator("gate_bias")
     @classmethod
     def _closed_at_init(cls, value: float, info: ValidationInfo) -> float:

@@ -30,7 +30,10 @@ def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
         layers=layout.layers,
         hidden_size=int(config.hidden_size),
         sites=site_specs(config, tuple(recipe.sites)),
-        **{name: getattr(recipe, name) for name in ("direction", "rank", "gate_bias", "eps", "gate", "channels")},
+        **{
+            name: getattr(recipe, name)
+            for name in ("direction", "rank", "gate_bias", "eps", "gate", "channels", "erase")
+        },
     )
     return {
         "format_version": DELTAFY_FORMAT_VERSION,

@@ -26,6 +26,7 @@ class Arm:
 ARMS: dict[str, Arm] = {
     "heads": Arm("ddl-scalar", "heads", "the scalar DDL heads (k = the sublayer's own write)"),
     "logit": Arm("ddl-scalar-logit", "heads", "the scalar DDL heads held off by a gate logit of -18 instead"),
+    "write-only": Arm("ddl-write-only", "heads", "the scalar heads without DDL's erase term -k^T x (its control)"),
     "learned": Arm("ddl-learned", "heads", "DDL heads with a learned low-rank direction"),
     "expanded": Arm("ddl-expanded", "heads", "the paper's expanded state (d_v channels)"),
     "lora": Arm("ddl-scalar", "lora", "LoRA alone at the heads' parameter count", lora_matches="heads"),

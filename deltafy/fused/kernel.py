@@ -222,6 +222,7 @@ def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tens
         or x.shape != (h.shape if channels == 1 else (channels, *h.shape))
         or x.device != h.device or c.device != h.device or site.gate.weight.device != h.device
         or (direction is not None and type(direction).__name__ != "DeltaDirection")
+        or not getattr(site, "erase", True)  # the write-only control: the formula
     ):  # fmt: skip
         return None
     if h.is_cuda and h.device.index != torch.cuda.current_device():  # triton launches on the current device

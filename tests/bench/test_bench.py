@@ -20,6 +20,7 @@ from deltafy.bench.arms import Budgets, nearest_rank
 from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
+from deltafy.modeling_deltafy import delta_sites
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
@@ -336,6 +337,18 @@ def test_the_expanded_arm_trains_from_its_own_recipe(tiny, tmp_path):
     model, tokenizer = load_any(record["path"])
     held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
     assert abs(held.loss - record["loss_after"]) < 1e-4
+
+
+def test_the_write_only_control_trains_from_its_own_recipe_and_is_not_the_heads_arm(tiny, tmp_path):
+    result = bench(tiny, tmp_path / "out", arms=["heads", "write-only"], seeds=1, lrs=[1])
+    heads, control = sorted(result.records, key=lambda r: r["arm"] != "heads")
+    assert control["arm"] == "write-only" and control["recipe"] == "ddl-write-only"
+    assert control["trainable_params"] == heads["trainable_params"]  # the same heads, one term fewer
+    assert control["loss_after"] != heads["loss_after"]
+    model, tokenizer = load_any(control["path"])
+    assert all(not site.erase for _, site in delta_sites(model))
+    held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+    assert abs(held.loss - control["loss_after"]) < 1e-4
 
 
 def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tiny, tmp_path):

@@ -51,6 +51,7 @@ NONTRIVIAL_CASES = [
     ("llama-tied", "ddl-expanded"),
     ("gpt_neox-parallel", "ddl-expanded"),
     ("opt-post-ln", "ddl-expanded"),
+    ("granite", "ddl-write-only"),  # the control without the erase term, at Granite's write scale
 ]
 NEW_TOKENS = 16
 

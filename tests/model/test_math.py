@@ -147,6 +147,48 @@ def test_strength_gate_and_expanded_channels_match_the_formula(direction, rank, 
     assert (got - x - 0.22 * h).abs().max() > 0.1  # the correction is there
 
 
+# -- the write-only control (erase: false) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("direction, rank", [("sublayer", None), ("learned", 3)], ids=["sublayer", "rank-3"])
+def test_write_only_writes_beta_v_along_k_and_erases_nothing(direction, rank, channels):
+    """erase: false is x + m h + alpha beta v k, written out here by hand, and ddl_reference agrees; with
+    the erase term the same heads give another stream (the term the control leaves out)."""
+    spec = dict(gate="strength", gate_bias=0.5, channels=channels)
+    erasing, control = (_site(direction, rank=rank, scale=0.22, erase=erase, **spec) for erase in (True, False))
+    with torch.no_grad():
+        for site in (erasing, control):
+            site.target.weight.normal_(generator=torch.Generator().manual_seed(3))
+            site.strength.fill_(0.6)
+    x, c, h = _tensors(9, (2, 5, D))
+    if channels > 1:
+        x = torch.stack([x * (1 + j) + j for j in range(channels)])
+    got = x + 0.22 * _run(control, x, c, h)
+    torch.testing.assert_close(got.double(), ddl_reference(control, x, c, h), rtol=1e-5, atol=1e-5)
+    cu = _unit_context(c)
+    beta = 2 * torch.sigmoid(cu @ control.gate.weight.T + control.gate.bias) * 0.6
+    kr = 0.22 * h if direction == "sublayer" else control.direction(cu)
+    k = kr / torch.sqrt((kr * kr).sum(-1, keepdim=True) + control.eps**2)
+    xs = x if channels > 1 else x.unsqueeze(0)
+    v = (cu @ control.target.weight.T + control.target.bias).movedim(-1, 0).unsqueeze(-1) * _rms(xs)
+    by_hand = xs + 0.22 * h + beta * v * k
+    torch.testing.assert_close(got, by_hand if channels > 1 else by_hand[0], rtol=1e-5, atol=1e-5)
+    assert (got - (x + 0.22 * _run(erasing, x, c, h))).abs().max() > 0.1
+    assert "write-only" in repr(control) and "write-only" not in repr(erasing)
+
+
+def test_write_only_is_the_original_at_init_bitwise():
+    site = _new(gate="strength", gate_bias=0.0, erase=False)
+    x, c, h = _tensors(2)
+    assert torch.equal(_run(site, x, c, h), h)
+
+
+def test_erase_must_be_a_boolean():
+    with pytest.raises(DeltafyError, match="erase must be true or false"):
+        DeltaSpec("model.layers", D, (SiteSpec("attn", "self_attn"),), erase="no")
+
+
 def test_default_init_is_nearly_identity():
     site = _new()
     x, c, h = _tensors(5)

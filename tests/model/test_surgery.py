@@ -386,7 +386,9 @@ def test_gradient_checkpointing_gives_the_same_head_gradients(reentrant):
     assert all(p.grad is None for n, p in model.named_parameters() if ".delta." not in n)
 
 
-@pytest.mark.parametrize("recipe_name", ["ddl-scalar", "ddl-scalar-logit", "ddl-learned", "ddl-expanded"])
+@pytest.mark.parametrize(
+    "recipe_name", ["ddl-scalar", "ddl-scalar-logit", "ddl-learned", "ddl-expanded", "ddl-write-only"]
+)
 def test_head_parameter_groups(recipe_name):
     model = tiny_model("llama-untied")
     pretrained = {id(p) for p in model.parameters()}

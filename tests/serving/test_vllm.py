@@ -107,6 +107,7 @@ CASES = [
     ("llama", "ddl-scalar"),  # sublayer direction, strength gate
     ("llama", "ddl-learned"),  # learned direction (rank 16), strength gate
     ("llama", "ddl-scalar-logit"),  # sublayer direction, logit gate
+    ("llama", "ddl-write-only"),  # the control without the erase term
     ("mistral", "ddl-scalar"),
     ("qwen2", "ddl-learned"),
     ("qwen3", "ddl-scalar"),
