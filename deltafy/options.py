@@ -33,7 +33,8 @@ SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
 # Two d x r matrices per site: past d (at most 16384 in today's decoders) a full d x d head is smaller.
 RANK_MAX = 16384
 CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the stream's activations
-Mode = Literal["heads", "heads+lora", "lora", "all"]  # what a training run trains
+Mode = Literal["heads", "heads+lora", "lora", "ia3", "all"]  # what a training run trains
+ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
 
 
 class TrainingDefaults(BaseModel):
@@ -60,15 +61,26 @@ class TrainingDefaults(BaseModel):
     seq_len: int = Field(256, ge=2, description="tokens per training block (a block predicts all but its first)")
     batch_size: PositiveInt = Field(8, description="blocks per device per micro-step")
     grad_accum: PositiveInt = Field(1, description="micro-steps per optimizer step")
-    lora_lr: PositiveFloat = Field(2e-4, description="learning rate of LoRA adapters and of train: all")
+    lora_lr: PositiveFloat = Field(
+        2e-4,
+        description="learning rate of the LoRA or (IA)^3 adapters (train: lora, heads+lora, ia3) and of train: all",
+    )
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
-    train: Mode = Field("heads", description="what trains")
+    train: Mode = Field(
+        "heads",
+        description="what trains: the DDL heads, LoRA, both, peft's (IA)^3 (learned scales on keys, values and "
+        "feed-forward inputs), or every weight",
+    )
     lora_r: PositiveInt = Field(8, le=RANK_MAX, description="LoRA rank")
     lora_alpha: PositiveFloat = Field(16.0, description="LoRA alpha; adapter updates are scaled by alpha / r")
-    lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
+    lora_targets: list[str] | None = Field(
+        None, description="LoRA or (IA)^3 module names; unset: peft's for the model family"
+    )
+    lora_dora: bool = Field(False, description="DoRA: LoRA with a learned magnitude per output (peft's use_dora)")
     merge_lora: bool = Field(
-        True, description="merge LoRA adapters into the saved weights, or keep them apart in OUT/lora-adapter/"
+        True,
+        description="merge the LoRA or (IA)^3 adapter into the saved weights, or keep it apart in OUT/lora-adapter/",
     )
     held_out: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of blocks held out without eval data")
     eval_every: PositiveInt = Field(50, description="optimizer steps between held-out evaluations")
@@ -293,7 +305,9 @@ class BenchOptions(BaseModel):
     batch_size: int = _as_trained("batch_size", "blocks per step")
     eval_every: PositiveInt | None = Field(None, description="steps between held-out evaluations; unset: steps/5")
     max_eval_blocks: int = _as_trained("max_eval_blocks", "held-out blocks evaluated")
-    lora_targets: list[str] | None = Field(None, description="LoRA module names; unset: peft's for the model family")
+    lora_targets: list[str] | None = Field(
+        None, description="LoRA or (IA)^3 module names; unset: peft's for the model family"
+    )
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
 
     @field_validator("lrs")

@@ -221,6 +221,7 @@ class _Bench:
             lora_r=rank,
             lora_alpha=float(rank) if rank else None,  # scale 1 at every rank: one sweep fits all ranks
             lora_targets=self.budgets.lora_targets,
+            lora_dora=arm.dora,
         )
 
     def arm(self, name: str, seeds: int) -> None:
@@ -402,11 +403,10 @@ def _heads(multiplier: float | None) -> dict:
 
 def _lrs(name: str, options) -> dict:
     train = ARMS[name].train
-    lora = train != "heads"
     return {
         "lr": options.lr if "heads" in train else options.lora_lr,
-        "lora_lr": options.lora_lr if lora else None,
-        "lora_r": options.lora_r if lora else None,
+        "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate too)
+        "lora_r": options.lora_r if "lora" in train else None,
     }
 
 

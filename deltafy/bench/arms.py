@@ -14,13 +14,14 @@ from ..options import RANK_MAX
 @dataclass(frozen=True)
 class Arm:
     recipe: str  # the bundled recipe its starting point is converted with
-    train: Literal["heads", "lora", "heads+lora"]
+    train: Literal["heads", "lora", "heads+lora", "ia3"]
     description: str
     # The arm whose trainable-parameter count this arm's LoRA rank matches (LoRA arms only).
     lora_matches: str | None = None
     # The arm whose swept learning rate this arm's heads train at; its own sweep then moves the
     # LoRA rate alone (one joint multiplier would tie two groups whose best rates differ).
     heads_lr_from: str | None = None
+    dora: bool = False  # LoRA with peft's learned magnitude per output (use_dora)
 
 
 ARMS: dict[str, Arm] = {
@@ -33,6 +34,10 @@ ARMS: dict[str, Arm] = {
     "ddl+lora": Arm("ddl-scalar", "heads+lora", "the DDL heads plus LoRA of the lora arm's rank", "heads", "heads"),
     "lora-2x": Arm("ddl-scalar", "lora", "LoRA at ddl+lora's parameter count", lora_matches="ddl+lora"),
     "lora-large": Arm("ddl-scalar", "lora", "LoRA at the learned direction's parameter count", "learned"),
+    "dora": Arm(
+        "ddl-scalar", "lora", "DoRA (LoRA with a learned magnitude) at the lora arm's rank", "heads", dora=True
+    ),
+    "ia3": Arm("ddl-scalar", "ia3", "peft's (IA)^3 at its own count: learned scales on keys, values, feed-forward"),
 }
 
 
@@ -87,6 +92,7 @@ class Budgets:
         self.lora_targets = lora_targets
         self._heads: dict[str, int] = {}
         self._per_rank: int | None = None
+        self._adapters: dict[tuple[str, bool], int] = {}
         self.targets: list[str] | None = None  # the LoRA targets peft resolved
 
     def heads(self, recipe: str) -> int:
@@ -112,15 +118,34 @@ class Budgets:
             self.targets = sorted(model.peft_config["default"].target_modules)
         return self._per_rank
 
+    def adapter(self, mode: str, dora: bool = False) -> int:
+        """The trainable count of a peft adapter at rank 1 (ia3 has no rank: its natural count)."""
+        if (mode, dora) not in self._adapters:
+            from ..options import options_from
+            from ..training.trainable import select_trainable
+
+            model = _load(self.models[ARMS["lora"].recipe])
+            options = options_from(
+                None, train=mode, lora_r=1, lora_alpha=1.0, lora_dora=dora, lora_targets=self.lora_targets
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                _, groups = select_trainable(model, mode, options)
+            self._adapters[mode, dora] = sum(p.numel() for g in groups for p in g["params"])
+        return self._adapters[mode, dora]
+
     def rank(self, name: str) -> int | None:
         arm = ARMS[name]
         return None if arm.lora_matches is None else nearest_rank(self.count(arm.lora_matches), self.per_rank())
 
     def count(self, name: str) -> int:
         arm = ARMS[name]
+        if arm.train == "ia3":
+            return self.adapter("ia3")
         heads = self.heads(arm.recipe) if "heads" in arm.train else 0
         rank = self.rank(name)
-        return heads + (rank * self.per_rank() if rank else 0)
+        magnitudes = self.adapter("lora", dora=True) - self.per_rank() if arm.dora else 0  # one per output
+        return heads + (rank * self.per_rank() + magnitudes if rank else 0)
 
 
 def _load(folder: Path):

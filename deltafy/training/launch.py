@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..errors import DeltafyError
-from ..options import TrainOptions
+from ..options import ADAPTER_MODES, TrainOptions
 
 
 def is_main_process() -> bool:
@@ -63,7 +63,7 @@ def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> Non
     """A heads-only save stores nothing of the base, so the base must stay exactly as it was."""
     if options.train == "all":
         raise DeltafyError("--heads-only cannot save train: all, which changes the base weights; drop --heads-only")
-    if options.train in ("lora", "heads+lora") and options.merge_lora:
+    if options.train in ADAPTER_MODES and options.merge_lora:
         raise DeltafyError(
             f"--heads-only cannot save train: {options.train} with the LoRA merged into the base weights; "
             f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError, first_line
-from ..options import Mode, TrainOptions
+from ..options import ADAPTER_MODES, Mode, TrainOptions
 from ..sources.folders import readable
 from ..surgery import mean_betas
 
@@ -22,10 +22,11 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
     for p in model.parameters():
         p.requires_grad_(False)
     groups = []
-    if mode in ("heads+lora", "lora"):
-        model = _with_lora(model, options)
-        lora = [p for n, p in model.named_parameters() if "lora_" in n]
-        groups.append({"params": lora, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "lora"})
+    if mode in ADAPTER_MODES:
+        model = (_with_ia3 if mode == "ia3" else _with_lora)(model, options)
+        adapter = [p for n, p in model.named_parameters() if "lora_" in n or "ia3_" in n]
+        name = "ia3" if mode == "ia3" else "lora"
+        groups.append({"params": adapter, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": name})
     if mode in ("heads", "heads+lora", "all"):
         head_groups = head_parameter_groups(model, recipe)
         groups += head_groups
@@ -40,7 +41,7 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
 
 
 def _with_lora(model, options: TrainOptions):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
 
     defaults = TARGETS.get(model.config.deltafy["base_model_type"])
@@ -54,12 +55,34 @@ def _with_lora(model, options: TrainOptions):
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=options.lora_dora,
     )
+    return _adapted(model, config, defaults, "LoRA")
+
+
+def _with_ia3(model, options: TrainOptions):
+    """peft's (IA)^3: a learned scale on each target's output (on its input for the feed-forward ones)."""
+    from peft import IA3Config
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as TARGETS
+
+    family = model.config.deltafy["base_model_type"]
+    targets = options.lora_targets or TARGETS.get(family)
+    if not targets:
+        raise DeltafyError("peft has no default (IA)^3 targets for this family; pass --lora-targets")
+    feedforward = [m for m in FEEDFORWARD.get(family, ()) if m in targets]
+    config = IA3Config(target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM")
+    return _adapted(model, config, TARGETS.get(family), "(IA)^3")
+
+
+def _adapted(model, config, defaults, what: str):
+    from peft import get_peft_model
+
     _refuse_site_modules(model, config, defaults)
     try:
         return get_peft_model(model, config)
     except ValueError as err:
-        raise DeltafyError(f"LoRA: {first_line(err)} (check --lora-targets)") from err
+        raise DeltafyError(f"{what}: {first_line(err)} (check --lora-targets)") from err
 
 
 def _refuse_site_modules(model, config, defaults) -> None:

@@ -351,6 +351,23 @@ def test_the_write_only_control_trains_from_its_own_recipe_and_is_not_the_heads_
     assert abs(held.loss - control["loss_after"]) < 1e-4
 
 
+def test_the_peft_baselines_dora_and_ia3_train_at_their_counts(tiny, tmp_path):
+    """DoRA at the lora arm's rank (its count: LoRA's plus a magnitude per output), (IA)^3 at its natural
+    count; each saved model evaluates to its record."""
+    result = bench(tiny, tmp_path / "out", arms=["lora", "dora", "ia3"], seeds=1, lrs=[1])
+    records = {r["arm"]: r for r in result.records}
+    assert records["dora"]["lora_r"] == records["lora"]["lora_r"] and records["ia3"]["lora_r"] is None
+    budgets = Budgets({"ddl-scalar": tiny.delta}, None)
+    for name, record in records.items():
+        assert record["trainable_params"] == budgets.count(name), name
+        model, tokenizer = load_any(record["path"])
+        assert not any("lora_" in n or "ia3_" in n for n, _ in model.named_parameters())  # merged
+        held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+        assert abs(held.loss - record["loss_after"]) < 1e-4, name
+    assert records["dora"]["trainable_params"] > records["lora"]["trainable_params"]
+    assert records["dora"]["loss_after"] != records["lora"]["loss_after"]
+
+
 def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tiny, tmp_path):
     out = tmp_path / "out"
     proc = cli(

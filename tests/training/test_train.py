@@ -305,6 +305,36 @@ def test_lora_only_and_all_parameters(tiny, tmp_path, mode):
     deltafy.load(out)
 
 
+def test_ia3_trains_peft_s_scales_and_merges_them(tiny, tmp_path):
+    """(IA)^3 at its natural count: one scale per output of k_proj and v_proj, per input of down_proj
+    (peft's llama defaults), merged into those weights on save."""
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=2, train="ia3", lora_lr=1e-2)
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    assert before.keys() == after.keys() and not (out / "lora-adapter").exists()
+    targets = {k for k in before if k.endswith(("k_proj.weight", "v_proj.weight", "down_proj.weight"))}
+    assert changed_keys(before, after) == targets  # nothing else moved, the heads neither
+    natural = sum(before[k].shape[0] for k in targets if "down_proj" not in k)
+    natural += sum(before[k].shape[1] for k in targets if "down_proj" in k)
+    assert result.trainable_params == natural
+    loss = evaluate_text(deltafy.load(out), tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+
+
+def test_dora_adds_a_magnitude_per_output_and_merges(tiny, tmp_path):
+    plain, dora = tmp_path / "lora", tmp_path / "dora"
+    lora = train(tiny, plain, steps=2, train="lora", lora_r=2)
+    result = train(tiny, dora, steps=2, train="lora", lora_r=2, lora_dora=True)
+    before = read_tensors(tiny.delta)
+    targets = [k for k in before if k.endswith(("q_proj.weight", "v_proj.weight"))]
+    assert result.trainable_params == lora.trainable_params + sum(before[k].shape[0] for k in targets)
+    after = read_tensors(dora)
+    assert not [k for k in after if "lora_" in k] and changed_keys(before, after) == set(targets)
+    assert any(not torch.equal(read_tensors(plain)[k], after[k]) for k in targets)  # DoRA is not LoRA
+    loss = evaluate_text(deltafy.load(dora), tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+
+
 @pytest.mark.parametrize("case", ["opt-pre-ln", "opt-post-ln"])
 def test_lora_on_a_module_a_site_wraps_is_refused(case):
     """OPT's fc2 is a residual write: peft would add LoRA's update after the correction saw h."""
