@@ -404,8 +404,8 @@ def _heads(multiplier: float | None) -> dict:
 def _lrs(name: str, options) -> dict:
     train = ARMS[name].train
     return {
-        "lr": options.lr if "heads" in train else options.lora_lr,
-        "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate too)
+        "lr": options.lr if train in ("heads", "heads+lora", "all") else options.lora_lr,
+        "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate, and the base weights')
         "lora_r": options.lora_r if "lora" in train else None,
     }
 

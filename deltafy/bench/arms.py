@@ -14,7 +14,7 @@ from ..options import RANK_MAX
 @dataclass(frozen=True)
 class Arm:
     recipe: str  # the bundled recipe its starting point is converted with
-    train: Literal["heads", "lora", "heads+lora", "ia3"]
+    train: Literal["heads", "lora", "heads+lora", "ia3", "base", "all"]
     description: str
     # The arm whose trainable-parameter count this arm's LoRA rank matches (LoRA arms only).
     lora_matches: str | None = None
@@ -36,6 +36,10 @@ ARMS: dict[str, Arm] = {
     "lora-large": Arm("ddl-scalar", "lora", "LoRA at the learned direction's parameter count", "learned"),
     "dora": Arm(
         "ddl-scalar", "lora", "DoRA (LoRA with a learned magnitude) at the lora arm's rank", "heads", dora=True
+    ),
+    "full": Arm("ddl-scalar", "base", "every weight of the original (the heads stay off): full fine-tuning"),
+    "ddl+full": Arm(
+        "ddl-scalar", "all", "every weight of the converted model, the heads at their own rate", None, "heads"
     ),
     "ia3": Arm("ddl-scalar", "ia3", "peft's (IA)^3 at its own count: learned scales on keys, values, feed-forward"),
 }
@@ -142,6 +146,9 @@ class Budgets:
         arm = ARMS[name]
         if arm.train == "ia3":
             return self.adapter("ia3")
+        if arm.train in ("base", "all"):
+            model = _load(self.models[arm.recipe])
+            return sum(p.numel() for p in model.parameters()) - (self.heads(arm.recipe) if arm.train == "base" else 0)
         heads = self.heads(arm.recipe) if "heads" in arm.train else 0
         rank = self.rank(name)
         magnitudes = self.adapter("lora", dora=True) - self.per_rank() if arm.dora else 0  # one per output

@@ -28,10 +28,9 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
         name = "ia3" if mode == "ia3" else "lora"
         groups.append({"params": adapter, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": name})
     if mode in ("heads", "heads+lora", "all"):
-        head_groups = head_parameter_groups(model, recipe)
-        groups += head_groups
-    if mode == "all":
-        heads = {id(p) for g in groups for p in g["params"]}
+        groups += head_parameter_groups(model, recipe)
+    if mode in ("base", "all"):  # base: the original trained in full (the heads stay as they are: off at init)
+        heads = {id(p) for g in head_parameter_groups(model, recipe) for p in g["params"]}
         base = [p for p in model.parameters() if id(p) not in heads]
         groups.append({"params": base, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "base"})
     for group in groups:

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.cli import assert_one_line_error, cli
-from helpers.training import subprocess_env
+from helpers.training import read_tensors, subprocess_env
 
 from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
 from deltafy.bench.arms import Budgets, nearest_rank
@@ -366,6 +367,25 @@ def test_the_peft_baselines_dora_and_ia3_train_at_their_counts(tiny, tmp_path):
         assert abs(held.loss - record["loss_after"]) < 1e-4, name
     assert records["dora"]["trainable_params"] > records["lora"]["trainable_params"]
     assert records["dora"]["loss_after"] != records["lora"]["loss_after"]
+
+
+def test_full_and_ddl_full_train_every_weight_they_should(tiny, tmp_path):
+    result = bench(tiny, tmp_path / "out", arms=["full", "ddl+full"], seeds=1, lrs=[1])
+    records = {r["arm"]: r for r in result.records}
+    start = read_tensors(tiny.delta)
+    heads = {k for k in start if ".delta." in k}
+    total = sum(v.numel() for v in start.values())
+    assert records["full"]["trainable_params"] == total - sum(start[k].numel() for k in heads)
+    assert records["ddl+full"]["trainable_params"] == total
+    budgets = Budgets({"ddl-scalar": tiny.delta}, None)
+    for name, record in records.items():
+        assert record["trainable_params"] == budgets.count(name)
+        after = read_tensors(record["path"])
+        moved = {k for k in start if not torch.equal(start[k], after[k])}
+        assert moved == (set(start) - heads if name == "full" else set(start)), name
+        model, tokenizer = load_any(record["path"])
+        held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+        assert abs(held.loss - record["loss_after"]) < 1e-4, name
 
 
 def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tiny, tmp_path):

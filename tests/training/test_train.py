@@ -289,7 +289,7 @@ def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     assert loss == pytest.approx(result.loss_after, abs=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["lora", "all"])
+@pytest.mark.parametrize("mode", ["lora", "base", "all"])
 def test_lora_only_and_all_parameters(tiny, tmp_path, mode):
     out = tmp_path / "run"
     result = train(tiny, out, steps=2, train=mode)
@@ -298,11 +298,29 @@ def test_lora_only_and_all_parameters(tiny, tmp_path, mode):
     changed = changed_keys(before, after)
     if mode == "lora":
         assert changed == {k for k in before if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    elif mode == "base":  # the original trained in full: every pretrained tensor, no head
+        assert changed == {k for k in before if not is_head(k)}
+        assert result.trainable_params == sum(v.numel() for k, v in before.items() if not is_head(k))
     else:
         base = {k for k in before if not is_head(k)}
         assert base <= changed  # every pretrained tensor trained
         assert result.trainable_params == sum(v.numel() for v in before.values())
     deltafy.load(out)
+
+
+def test_train_all_leaves_nothing_frozen_and_gives_the_heads_their_own_rates(tiny):
+    from deltafy.options import options_from
+    from deltafy.training.trainable import select_trainable
+
+    model = deltafy.load(tiny.delta)
+    options = options_from(None, train="all", lr=1e-3, lora_lr=2e-5)
+    model, groups = select_trainable(model, "all", options)
+    assert all(p.requires_grad for p in model.parameters())
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {"gate", "heads", "base"} and by_name["base"]["lr"] == 2e-5
+    assert by_name["heads"]["lr"] == 1e-3 and by_name["gate"]["lr"] > 1e-3
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))  # each parameter in one group
 
 
 def test_ia3_trains_peft_s_scales_and_merges_them(tiny, tmp_path):
