@@ -33,7 +33,7 @@ SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
 # Two d x r matrices per site: past d (at most 16384 in today's decoders) a full d x d head is smaller.
 RANK_MAX = 16384
 CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the stream's activations
-Mode = Literal["heads", "heads+lora", "lora", "ia3", "base", "all"]  # what a training run trains
+Mode = Literal["heads", "heads+lora", "lora", "ia3", "ln-tuning", "base", "all"]  # what a training run trains
 ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
 
 
@@ -64,14 +64,15 @@ class TrainingDefaults(BaseModel):
     lora_lr: PositiveFloat = Field(
         2e-4,
         description="learning rate of the LoRA or (IA)^3 adapters (train: lora, heads+lora, ia3) and of the "
-        "pretrained weights (train: base, all)",
+        "pretrained weights (train: ln-tuning, base, all)",
     )
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
     warmup: float = Field(0.05, ge=0.0, le=0.5, description="warmup, as a fraction of the steps")
     train: Mode = Field(
         "heads",
         description="what trains: the DDL heads, LoRA, both, peft's (IA)^3 (learned scales on keys, values and "
-        "feed-forward inputs), every pretrained weight with the heads left as they are (base), or every weight",
+        "feed-forward inputs), the norms (ln-tuning: peft's LN-tuning targets), every pretrained weight with the "
+        "heads left as they are (base), or every weight",
     )
     lora_r: PositiveInt = Field(8, le=RANK_MAX, description="LoRA rank")
     lora_alpha: PositiveFloat = Field(16.0, description="LoRA alpha; adapter updates are scaled by alpha / r")

@@ -14,7 +14,7 @@ from ..options import RANK_MAX
 @dataclass(frozen=True)
 class Arm:
     recipe: str  # the bundled recipe its starting point is converted with
-    train: Literal["heads", "lora", "heads+lora", "ia3", "base", "all"]
+    train: Literal["heads", "lora", "heads+lora", "ia3", "ln-tuning", "base", "all"]
     description: str
     # The arm whose trainable-parameter count this arm's LoRA rank matches (LoRA arms only).
     lora_matches: str | None = None
@@ -40,6 +40,9 @@ ARMS: dict[str, Arm] = {
     "full": Arm("ddl-scalar", "base", "every weight of the original (the heads stay off): full fine-tuning"),
     "ddl+full": Arm(
         "ddl-scalar", "all", "every weight of the converted model, the heads at their own rate", None, "heads"
+    ),
+    "ln-tuning": Arm(
+        "ddl-scalar", "ln-tuning", "LayerNorm tuning at its own count: the norms' weights (peft's targets)"
     ),
     "ia3": Arm("ddl-scalar", "ia3", "peft's (IA)^3 at its own count: learned scales on keys, values, feed-forward"),
 }
@@ -123,7 +126,8 @@ class Budgets:
         return self._per_rank
 
     def adapter(self, mode: str, dora: bool = False) -> int:
-        """The trainable count of a peft adapter at rank 1 (ia3 has no rank: its natural count)."""
+        """The trainable count of training ``mode``, at rank 1 where it has a rank (LoRA, DoRA); the natural
+        count of one without (ia3, ln-tuning)."""
         if (mode, dora) not in self._adapters:
             from ..options import options_from
             from ..training.trainable import select_trainable
@@ -144,8 +148,8 @@ class Budgets:
 
     def count(self, name: str) -> int:
         arm = ARMS[name]
-        if arm.train == "ia3":
-            return self.adapter("ia3")
+        if arm.train in ("ia3", "ln-tuning"):
+            return self.adapter(arm.train)
         if arm.train in ("base", "all"):
             model = _load(self.models[arm.recipe])
             return sum(p.numel() for p in model.parameters()) - (self.heads(arm.recipe) if arm.train == "base" else 0)

@@ -61,7 +61,7 @@ def read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=N
 
 def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:
     """A heads-only save stores nothing of the base, so the base must stay exactly as it was."""
-    if options.train in ("base", "all"):
+    if options.train in ("ln-tuning", "base", "all"):
         raise DeltafyError(
             f"--heads-only cannot save train: {options.train}, which changes the base weights; drop --heads-only"
         )

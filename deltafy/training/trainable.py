@@ -29,6 +29,9 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
         groups.append({"params": adapter, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": name})
     if mode in ("heads", "heads+lora", "all"):
         groups += head_parameter_groups(model, recipe)
+    if mode == "ln-tuning":
+        norms = _norm_parameters(model, options)
+        groups.append({"params": norms, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "norms"})
     if mode in ("base", "all"):  # base: the original trained in full (the heads stay as they are: off at init)
         heads = {id(p) for g in head_parameter_groups(model, recipe) for p in g["params"]}
         base = [p for p in model.parameters() if id(p) not in heads]
@@ -72,6 +75,26 @@ def _with_ia3(model, options: TrainOptions):
     feedforward = [m for m in FEEDFORWARD.get(family, ()) if m in targets]
     config = IA3Config(target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM")
     return _adapted(model, config, TARGETS.get(family), "(IA)^3")
+
+
+def _norm_parameters(model, options: TrainOptions) -> list:
+    """LayerNorm tuning: the parameters of the norms peft's LN tuning targets for the family, trained in
+    place. peft's own LNTuningLayer trains a deep copy of each norm and swaps it in at merge, the same
+    model in the end; but the copy would carry the forward deltafy installed on the norm, with copies of
+    its sites, and the stream those sites read would never reach the writes."""
+    from peft import LNTuningConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LNTUNING_TARGET_MODULES_MAPPING as TARGETS
+
+    targets = options.lora_targets or TARGETS.get(model.config.deltafy["base_model_type"])
+    if not targets:
+        raise DeltafyError("peft has no default LN-tuning targets for this family; pass --lora-targets")
+    config = LNTuningConfig(target_modules=targets)
+    found = [m for name, m in model.named_modules() if name and check_target_module_exists(config, name)]
+    params = [p for module in found for p in module.parameters(recurse=False)]
+    if not params:
+        raise DeltafyError(f"LN tuning: no module of this model matches {','.join(targets)} (check --lora-targets)")
+    return params
 
 
 def _adapted(model, config, defaults, what: str):

@@ -352,12 +352,13 @@ def test_the_write_only_control_trains_from_its_own_recipe_and_is_not_the_heads_
     assert abs(held.loss - control["loss_after"]) < 1e-4
 
 
-def test_the_peft_baselines_dora_and_ia3_train_at_their_counts(tiny, tmp_path):
-    """DoRA at the lora arm's rank (its count: LoRA's plus a magnitude per output), (IA)^3 at its natural
-    count; each saved model evaluates to its record."""
-    result = bench(tiny, tmp_path / "out", arms=["lora", "dora", "ia3"], seeds=1, lrs=[1])
+def test_the_peft_baselines_train_at_their_counts(tiny, tmp_path):
+    """DoRA at the lora arm's rank (its count: LoRA's plus a magnitude per output), (IA)^3 and LN tuning at
+    their natural counts; each saved model evaluates to its record."""
+    result = bench(tiny, tmp_path / "out", arms=["lora", "dora", "ia3", "ln-tuning"], seeds=1, lrs=[1])
     records = {r["arm"]: r for r in result.records}
-    assert records["dora"]["lora_r"] == records["lora"]["lora_r"] and records["ia3"]["lora_r"] is None
+    assert records["dora"]["lora_r"] == records["lora"]["lora_r"]
+    assert records["ia3"]["lora_r"] is None and records["ln-tuning"]["lora_r"] is None
     budgets = Budgets({"ddl-scalar": tiny.delta}, None)
     for name, record in records.items():
         assert record["trainable_params"] == budgets.count(name), name

@@ -339,6 +339,18 @@ def test_ia3_trains_peft_s_scales_and_merges_them(tiny, tmp_path):
     assert loss == pytest.approx(result.loss_after, abs=1e-5)
 
 
+def test_ln_tuning_trains_the_norms_in_place(tiny, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny, out, steps=2, train="ln-tuning", lora_lr=1e-2)
+    before, after = read_tensors(tiny.delta), read_tensors(out)
+    norms = {k for k in before if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))}
+    norms.add("model.norm.weight")  # peft's llama targets, the final norm included
+    assert changed_keys(before, after) == norms
+    assert result.trainable_params == sum(before[k].numel() for k in norms)
+    loss = evaluate_text(deltafy.load(out), tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+
+
 def test_dora_adds_a_magnitude_per_output_and_merges(tiny, tmp_path):
     plain, dora = tmp_path / "lora", tmp_path / "dora"
     lora = train(tiny, plain, steps=2, train="lora", lora_r=2)
