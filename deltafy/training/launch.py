@@ -67,7 +67,7 @@ def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> Non
         )
     if options.train in ADAPTER_MODES and options.merge_lora:
         raise DeltafyError(
-            f"--heads-only cannot save train: {options.train} with the LoRA merged into the base weights; "
+            f"--heads-only cannot save train: {options.train} with its adapter merged into the base weights; "
             f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"
         )
     if "base" not in config["deltafy"]:

@@ -646,3 +646,24 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_finishes(tiny, tmp_path):
     resumed = train(tiny, out, resume=True, steps=step + 2, save_every=1000, batch_size=2, lr=TrainOptions().lr)
     assert resumed.steps == step + 2
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "train_mode, needle",
+    [
+        ("ln-tuning", "cannot save train: ln-tuning, which changes the base weights"),
+        ("base", "cannot save train: base, which changes the base weights"),
+        ("all", "cannot save train: all, which changes the base weights"),
+        ("ia3", "cannot save train: ia3 with its adapter merged into the base weights; pass --keep-adapter"),
+        ("lora", "cannot save train: lora with its adapter merged into the base weights; pass --keep-adapter"),
+    ],
+)
+def test_heads_only_refuses_what_changes_the_base(train_mode, needle):
+    from deltafy.options import options_from
+    from deltafy.training.launch import check_heads_only
+
+    config = {"deltafy": {"base": {"id": "gpt2", "revision": "0" * 40}}}
+    with pytest.raises(DeltafyError, match=needle):
+        check_heads_only(config, options_from(None, train=train_mode), "delta")
+    if train_mode in ("ia3", "lora"):  # the adapter kept apart: allowed
+        check_heads_only(config, options_from(None, train=train_mode, merge_lora=False), "delta")
