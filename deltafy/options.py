@@ -300,6 +300,9 @@ class BenchOptions(BaseModel):
     lrs: list[PositiveFloat] = Field(
         [0.3, 1.0, 3.0], description="multipliers of each arm's default learning rate to sweep"
     )
+    sweep_seeds: PositiveInt = Field(
+        2, description="seeds each swept rate trains on; a rate scores the mean of their validation losses"
+    )
     lr_extend: int = Field(
         4, ge=0, description="rates a sweep may add past an end of --lrs where its best sits (0: exactly --lrs)"
     )

@@ -78,6 +78,7 @@ def run_bench(
     options = bench_options(**settings)
     check(data, eval_data, resume, overwrite)
     steps, seeds, lrs, extend = options.steps, options.seeds, options.lrs, options.lr_extend
+    sweep_seeds = options.sweep_seeds if len(lrs) > 1 else 1  # (one rate: nothing to choose, no sweep)
     seq_len, text_field, lora_targets = options.seq_len, options.text_field, options.lora_targets
     train_files, held_files = expand(list(data)), expand(list(eval_data))  # a missing file, before any work
     refuse_shared_text(train_files, held_files)
@@ -94,6 +95,7 @@ def run_bench(
         "seq_len": seq_len,
         "batch_size": options.batch_size,
         "lrs": lrs,
+        "sweep_seeds": sweep_seeds,
         "eval_every": options.eval_every or default_eval_every(steps),
         "max_eval_blocks": options.max_eval_blocks,
         "lora_targets": lora_targets,
@@ -129,8 +131,9 @@ def run_bench(
         budgets = Budgets(models, lora_targets)
         report = progress or (lambda done, total, what: None)
         bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend)
+        bench.sweep_seeds = sweep_seeds
         lines = len(_swept(names)) + sum(ARMS[n].heads_lr_from is not None for n in names)  # ddl+lora: two
-        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines
+        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines * sweep_seeds
         try:
             with unwinding():
                 for name in names:
@@ -191,6 +194,7 @@ class _Bench:
         self.out, self.state, self.models, self.budgets = out, state, models, budgets
         self.data, self.eval_data, self.isolate, self.status = list(data), list(eval_data), isolate, status
         self.report, self.lrs, self.extend = report, lrs, extend
+        self.sweep_seeds = 1
         self.trained, self.done, self.total = 0, 0, 0
         self.chosen: dict[str, tuple[float, float | None]] = {}  # arm: (best multiplier, the heads' one)
         self.edges: dict[str, bool] = {}  # arm: its best is at an end of its sweep
@@ -264,7 +268,7 @@ class _Bench:
         """The best value of one rate along ``grid`` with the other held (``point(m)``: the run's
         multiplier and its heads' one), and whether it is still at an end of the extended grid."""
         grid = list(grid)
-        self.total += len(grid) - len(self.lrs)  # a borrowed rate off the grid: one more run
+        self.total += (len(grid) - len(self.lrs)) * self.sweep_seeds  # a borrowed rate off the grid: one more
         for m in grid:
             self._sweep_run(name, *point(m))
         added = 0
@@ -278,41 +282,52 @@ class _Bench:
             if following is None or added >= self.extend:
                 return best, following is not None
             grid, added = sorted([*grid, following]), added + 1
-            self.total += 1
+            self.total += self.sweep_seeds
             self._sweep_run(name, *point(following))
 
     def _sweep_run(self, name: str, multiplier: float, heads: float | None) -> None:
-        """One point of the sweep, trained unless the bench has its score already."""
-        if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads) is None:
-            rate = f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{multiplier:g}"
-            self.report(self.done, self.total, f"{name} · sweep {rate}")
-            self._validate(name, multiplier, heads)
-        self.done += 1
+        """One point of the sweep on each sweep seed, trained unless the bench has its score already."""
+        for seed in range(self.sweep_seeds):
+            if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads, seed=seed) is None:
+                rate = f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{multiplier:g}"
+                seeded = f" · seed {seed + 1} of {self.sweep_seeds}" if self.sweep_seeds > 1 else ""
+                self.report(self.done, self.total, f"{name} · sweep {rate}{seeded}")
+                self._validate(name, multiplier, heads, seed)
+            self.done += 1
 
     def _score(self, name: str, multiplier: float, heads: float | None) -> float | None:
-        """A sweep point's validation loss; None where it diverged."""
-        loss = self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads)["validation_loss"]
-        return loss if loss is not None and math.isfinite(loss) else None
+        """A sweep point's validation loss, the mean over its seeds (one seed's luck does not pick a rate
+        at a cliff's edge); None where any seed diverged."""
+        losses = []
+        for seed in range(self.sweep_seeds):
+            record = self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads, seed=seed)
+            loss = record["validation_loss"]
+            if loss is None or not math.isfinite(loss):
+                return None
+            losses.append(loss)
+        return sum(losses) / len(losses)
 
     def folder(self, name: str, seed: int) -> Path:
         return self.out / "runs" / name / f"seed-{seed}"
 
-    def sweep_folder(self, name: str, multiplier: float, heads: float | None = None) -> Path:
-        return self.out / "runs" / name / (f"lr-{multiplier:g}x" + ("" if heads is None else f"-heads-{heads:g}x"))
+    def sweep_folder(self, name: str, multiplier: float, heads: float | None = None, seed: int = 0) -> Path:
+        rate = f"lr-{multiplier:g}x" + ("" if heads is None else f"-heads-{heads:g}x")
+        return self.out / "runs" / name / (rate + (f"-seed-{seed}" if seed else ""))
 
     def _find(self, key: str, arm: str, **match) -> dict | None:
-        return next(
-            (r for r in self.state[key] if r["arm"] == arm and all(r.get(k) == v for k, v in match.items())), None
-        )
+        def fits(record: dict) -> bool:  # (a sweep record of a bench from before sweep seeds: seed 0)
+            return all(record.get(k, 0 if k == "seed" else None) == v for k, v in match.items())
 
-    def _validate(self, name: str, multiplier: float, heads: float | None) -> None:
+        return next((r for r in self.state[key] if r["arm"] == arm and fits(r)), None)
+
+    def _validate(self, name: str, multiplier: float, heads: float | None, seed: int = 0) -> None:
         from ..training.job import NonFiniteLoss
 
-        folder = self.sweep_folder(name, multiplier, heads)
-        point = (name, multiplier, heads)
+        folder = self.sweep_folder(name, multiplier, heads, seed)
+        point = (name, multiplier, heads, seed)
         self.state["sweep"] = [r for r in self.state["sweep"] if _point(r) != point]  # an unfinished try's
-        options = self.options(name, multiplier, heads, 0, validation=True)
-        record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), **_lrs(name, options)}
+        options = self.options(name, multiplier, heads, seed, validation=True)
+        record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), "seed": seed, **_lrs(name, options)}
         record["path"] = str(folder.resolve())
         try:  # no eval data: run_training validates on its held-out share of the training text
             numbers = train_run(self.models[ARMS[name].recipe], self.data, folder, options, None, self.isolate)
@@ -392,8 +407,8 @@ class _Bench:
         return plot_bench(curves, self.out / PLOT_FILE, title)
 
 
-def _point(record: dict) -> tuple[str, float, float | None]:
-    return record["arm"], record["lr_multiplier"], record.get("heads_lr_multiplier")
+def _point(record: dict) -> tuple[str, float, float | None, int]:
+    return record["arm"], record["lr_multiplier"], record.get("heads_lr_multiplier"), record.get("seed", 0)
 
 
 def _heads(multiplier: float | None) -> dict:

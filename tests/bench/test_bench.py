@@ -44,7 +44,7 @@ RECORD_FIELDS = {
 
 
 def bench(tiny, out: Path, **overrides):
-    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], lr_extend=0, isolate=False, **SIZES)
+    values = dict(arms=ARMS_RUN, seeds=2, lrs=[1, 3], lr_extend=0, sweep_seeds=1, isolate=False, **SIZES)
     values.update(overrides)
     return run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], out, **values)
 
@@ -129,6 +129,27 @@ def test_the_sweep_goes_on_past_the_end_that_holds_its_best(tiny, tmp_path):
     assert row.lr_multiplier == swept[losses.index(min(losses))]
     assert row.lr_at_edge == (row.lr_multiplier == 0.08)
     assert result.records[0]["lr_multiplier"] == row.lr_multiplier
+
+
+def test_a_rate_scores_the_mean_of_its_sweep_seeds(tiny, tmp_path):
+    """--sweep-seeds 2 (the default): every rate trains on seeds 0 and 1, each in its own folder, and the
+    arm's rate is the one whose mean validation loss is lowest; a resumed bench trains none of them again."""
+    out = tmp_path / "out"
+    seen = []
+    progress = lambda done, total, what: seen.append((done, total, what))  # noqa: E731
+    result = bench(tiny, out, arms=["heads"], seeds=1, lrs=[1, 30], sweep_seeds=2, progress=progress)
+    by_rate: dict[float, dict[int, float]] = {}
+    for r in result.sweep:
+        by_rate.setdefault(r["lr_multiplier"], {})[r["seed"]] = r["validation_loss"]
+        assert Path(r["path"]).name == f"lr-{r['lr_multiplier']:g}x" + (f"-seed-{r['seed']}" if r["seed"] else "")
+    assert sorted(by_rate) == [1.0, 30.0] and all(sorted(s) == [0, 1] for s in by_rate.values())
+    assert len({by_rate[1.0][0], by_rate[1.0][1]}) == 2  # the seeds differ
+    means = {m: sum(s.values()) / 2 for m, s in by_rate.items()}
+    (row,) = result.rows
+    assert row.lr_multiplier == min(means, key=means.get)
+    assert {t for _, t, _ in seen} == {1 + 2 * 2} and any(w == "heads · sweep lr ×30 · seed 2 of 2" for _, _, w in seen)
+    again = bench(tiny, out, arms=["heads"], seeds=1, lrs=[1, 30], sweep_seeds=2, resume=True)
+    assert again.trained == 0 and again.rows[0].lr_multiplier == row.lr_multiplier
 
 
 def test_the_sweep_never_reads_the_reported_held_out_text(tiny, benched):
