@@ -275,12 +275,18 @@ class _Bench:
         while True:
             scores = [(self._score(name, *point(m)), m) for m in grid]
             scores = [(loss, m) for loss, m in scores if loss is not None]
-            if not scores:
-                raise DeltafyError(f"arm {name}: the loss diverged at every learning rate of --lrs; try smaller ones")
-            best = min(scores)[1]
-            following = extended(grid, best)
-            if following is None or added >= self.extend:
-                return best, following is not None
+            if scores:
+                best = min(scores)[1]
+                following = extended(grid, best)
+                if following is None or added >= self.extend:
+                    return best, following is not None
+            elif added < self.extend and len(grid) > 1:  # diverged at every rate so far: go lower
+                following = extended(grid, grid[0])
+            else:
+                raise DeltafyError(
+                    f"arm {name}: the loss diverged at every learning rate tried ({', '.join(f'×{m:g}' for m in grid)})"
+                    f"; try smaller ones in --lrs"
+                )
             grid, added = sorted([*grid, following]), added + 1
             self.total += self.sweep_seeds
             self._sweep_run(name, *point(following))

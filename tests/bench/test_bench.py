@@ -152,6 +152,17 @@ def test_a_rate_scores_the_mean_of_its_sweep_seeds(tiny, tmp_path):
     assert again.trained == 0 and again.rows[0].lr_multiplier == row.lr_multiplier
 
 
+def test_a_sweep_that_diverges_at_every_rate_tries_lower_ones(tiny, tmp_path):
+    result = bench(tiny, tmp_path / "out", arms=["heads"], seeds=1, lrs=[1e15, 1e30], lr_extend=1)
+    sweep = {r["lr_multiplier"]: r for r in result.sweep}
+    assert sorted(sweep) == [1.0, 1e15, 1e30]  # one step lower (the grid's own ratio) trains
+    assert sweep[1e15]["validation_loss"] is None and "diverged" in sweep[1e15]
+    assert sweep[1e30]["validation_loss"] is None and sweep[1.0]["validation_loss"] is not None
+    assert result.rows[0].lr_multiplier == 1.0 and result.rows[0].lr_at_edge  # still at the grid's lower end
+    with pytest.raises(DeltafyError, match=r"diverged at every learning rate tried \(×1e\+15, ×1e\+30\)"):
+        bench(tiny, tmp_path / "none", arms=["heads"], seeds=1, lrs=[1e15, 1e30], lr_extend=0)
+
+
 def test_the_sweep_never_reads_the_reported_held_out_text(tiny, benched):
     out, _, _ = benched
     sweeps = sorted((out / "runs").glob("*/lr-*x"))
