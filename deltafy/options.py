@@ -287,6 +287,13 @@ class EvalOptions(BaseModel):
 
 
 # -- a bench --------------------------------------------------------------------------------------
+# Budgets as presets; a flag given beside one overrides its value. cpu-small is the scale docs/bench.md
+# measured on 2 CPU cores; gpu trains 64 x 16 x 1024 = 1,048,576 tokens an arm and evaluates on 100
+# blocks of 1024 (102,400 tokens), 3 seeds.
+BENCH_PRESETS: dict[str, dict] = {
+    "cpu-small": dict(steps=12, seeds=2, seq_len=128, batch_size=4, max_eval_blocks=16, lrs=[1.0, 3.0, 10.0]),
+    "gpu": dict(steps=64, seeds=3, seq_len=1024, batch_size=16, max_eval_blocks=100, lrs=[0.3, 1.0, 3.0]),
+}
 
 
 class BenchOptions(BaseModel):
@@ -295,6 +302,11 @@ class BenchOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    preset: Literal["cpu-small", "gpu"] | None = Field(
+        None,
+        description="a budget: cpu-small (12 steps of 4x128 tokens, 2 seeds) or gpu (64 steps of 16x1024 tokens "
+        "= 1M a run, 100 held-out blocks of 1024, 3 seeds); flags given beside it override its values",
+    )
     steps: PositiveInt = Field(100, description="optimizer steps of every run")
     seeds: PositiveInt = Field(3, description="seeds per arm, 0 … K-1 (standard errors need 2 or more)")
     lrs: list[PositiveFloat] = Field(
@@ -314,6 +326,13 @@ class BenchOptions(BaseModel):
         None, description="LoRA or (IA)^3 module names; unset: peft's for the model family"
     )
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, given):
+        if isinstance(given, dict) and given.get("preset") in BENCH_PRESETS:
+            return BENCH_PRESETS[given["preset"]] | given
+        return given
 
     @field_validator("lrs")
     @classmethod

@@ -88,6 +88,8 @@ def run_bench(
     recipes = recipes_for(names)
     options_for(recipes, options)
     settings = {
+        "preset": options.preset,
+        "device": _device(),
         "source": source,
         "data": list(data),
         "eval_data": list(eval_data),
@@ -175,6 +177,15 @@ def extended(grid: list[float], best: float) -> float | None:
         return None
     end, neighbour = (grid[-1], grid[-2]) if best == grid[-1] else (grid[0], grid[1])
     return float(f"{end * end / neighbour:.3g}")
+
+
+def _device() -> str:
+    """Where the runs train and in what precision (a training run's own choice: bf16 on a GPU that has it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu, fp32"
+    return f"{torch.cuda.get_device_name()}, {'bf16' if torch.cuda.is_bf16_supported() else 'fp32'}"
 
 
 def _cuda() -> bool:

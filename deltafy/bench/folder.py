@@ -67,11 +67,14 @@ def read(path: Path) -> dict | None:
     return state
 
 
+_RECORDED_ONLY = ("device", "preset")  # what ran, not what the runs are: a bench may resume elsewhere
+
+
 def compare(old: dict, new: dict, out: Path) -> None:
     changed = [
         f"--{key.replace('_', '-')} {show(old.get(key))} → {show(new[key])}"
         for key in new
-        if key in old and old[key] != new[key] and not key.endswith("_fingerprint")
+        if key in old and old[key] != new[key] and not key.endswith("_fingerprint") and key not in _RECORDED_ONLY
     ]
     changed += [  # where the paths are the same: an edited file
         f"--{key.removesuffix('_fingerprint').replace('_', '-')}: the same inputs now hold different text"

@@ -495,3 +495,22 @@ def test_every_bench_flag_is_a_field_of_its_options_model_with_its_default_in_th
     assert all(parameters[name].default is None for name in BenchOptions.model_fields)
     help_text = " ".join(CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output.split())
     assert "default: 0.3,1,3" in help_text and "default: 4)" in help_text and "default: 256)" in help_text
+
+
+def test_presets_set_the_budget_and_flags_override_them():
+    from deltafy.options import BENCH_PRESETS, bench_options
+
+    gpu = bench_options(preset="gpu")
+    assert (gpu.steps, gpu.seeds, gpu.seq_len, gpu.batch_size, gpu.max_eval_blocks) == (64, 3, 1024, 16, 100)
+    assert gpu.steps * gpu.batch_size * gpu.seq_len >= 1_000_000 and gpu.max_eval_blocks * gpu.seq_len >= 100_000
+    small = bench_options(preset="cpu-small", steps=24)
+    assert small.steps == 24 and small.seq_len == BENCH_PRESETS["cpu-small"]["seq_len"] == 128
+    assert bench_options().steps == 100 and bench_options().preset is None  # no preset: the defaults
+    with pytest.raises(DeltafyError, match=r"invalid bench options: --preset: Input should be 'cpu-small' or 'gpu'"):
+        bench_options(preset="laptop")
+
+
+def test_the_bench_records_where_it_ran(benched):
+    out, result, _ = benched
+    state = json.loads((out / BENCH_FILE).read_text())
+    assert state["settings"]["device"] == result.settings["device"] == "cpu, fp32"  # (this machine has no GPU)
