@@ -24,7 +24,7 @@ from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
 from .settings import check, data_fingerprints, default_eval_every, options_for
-from .table import Row, row_of
+from .table import Comparison, Row, comparisons, row_of
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
 
@@ -40,6 +40,7 @@ class BenchResult:
     plot_path: Path | None
     trained: int = 0  # runs trained by this call (a resumed bench skips the finished ones)
     settings: dict = field(default_factory=dict)
+    comparisons: list[Comparison] = field(default_factory=list)  # the paired questions whose arms both ran
 
 
 def run_bench(
@@ -395,6 +396,8 @@ class _Bench:
             record["path"] = str(self.sweep_folder(*_point(record)).resolve())
         rows = [row_of(name, [r for r in records if r["arm"] == name], self.edges[name]) for name in names]
         self.state["table"] = [asdict(row) for row in rows]
+        paired = comparisons(records)
+        self.state["comparisons"] = [asdict(c) for c in paired]
         self.state["arms"] = {name: asdict(ARMS[name]) | {"lora_r": self.budgets.rank(name)} for name in needed(names)}
         self.state["lora_targets"] = self.budgets.targets
         write(self.out / BENCH_FILE, self.state)
@@ -409,6 +412,7 @@ class _Bench:
             plot_path=plot,
             trained=self.trained,
             settings=self.state["settings"],
+            comparisons=paired,
         )
 
     def _plot(self, names, records) -> Path:

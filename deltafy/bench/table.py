@@ -72,3 +72,47 @@ def _rose(record: dict) -> int | None:
     """The first step at which a run's held-out loss was over ROSE above its loss before training, if any."""
     limit = record["loss_before"] * (1 + ROSE)
     return next((step for step, loss in record["curve"] if step > 0 and loss > limit), None)
+
+
+# The questions the bench answers, each a pair (DDL's arm, what it is judged against): the scalar heads
+# against the tiny-parameter methods that also scale activations and against their own write-only
+# control; DDL + LoRA against LoRA at a matched count and DoRA; the learned direction against LoRA at
+# its count; the converted model trained in full against the original trained in full.
+COMPARISONS = (
+    ("heads", "ia3", "scalar heads vs (IA)^3, each at its own count"),
+    ("heads", "ln-tuning", "scalar heads vs LayerNorm tuning, each at its own count"),
+    ("heads", "write-only", "the erase term: heads vs their write-only control, same count"),
+    ("ddl+lora", "lora-2x", "DDL + LoRA vs LoRA at a matched count"),
+    ("ddl+lora", "dora", "DDL + LoRA vs DoRA at LoRA's rank"),
+    ("learned", "lora-large", "learned direction vs LoRA at a matched count"),
+    ("ddl+full", "full", "everything trained: the converted model vs the original"),
+)
+
+
+@dataclass
+class Comparison:
+    """The paired difference in held-out loss after training, ``arm`` minus ``against``, over the seeds both
+    ran (a seed's two runs saw the same data in the same order): negative means ``arm`` did better."""
+
+    arm: str
+    against: str
+    question: str
+    seeds: int
+    difference: float
+    se: float | None  # None for one seed
+    beyond_2se: bool  # |difference| > 2 s.e.: more than the seeds' spread explains
+
+
+def comparisons(records: list[dict]) -> list[Comparison]:
+    """Every comparison of COMPARISONS whose two arms both ran, paired by seed."""
+    after = {(r["arm"], r["seed"]): r["loss_after"] for r in records}
+    found = []
+    for arm, against, question in COMPARISONS:
+        seeds = sorted(s for a, s in after if a == arm and (against, s) in after)
+        if not seeds:
+            continue
+        diffs = [after[arm, s] - after[against, s] for s in seeds]
+        k, mean = len(diffs), sum(diffs) / len(diffs)
+        se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (k - 1)) / math.sqrt(k) if k > 1 else None
+        found.append(Comparison(arm, against, question, k, mean, se, se is not None and abs(mean) > 2 * se))
+    return found

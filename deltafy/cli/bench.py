@@ -170,6 +170,16 @@ def _print_table(result) -> None:
             peak,
         )
     console.print(table)
+    for c in result.comparisons:
+        spread = "" if c.se is None else f" ± {c.se:.4f}"
+        verdict = (
+            "one seed: no standard error" if c.se is None else "beyond 2 s.e." if c.beyond_2se else "within 2 s.e."
+        )
+        better = c.arm if c.difference < 0 else c.against
+        console.print(
+            f"{c.question}: {c.arm} − {c.against} = {c.difference:+.4f}{spread} nats over {c.seeds} seed(s) "
+            f"({verdict}); lower: {better}"
+        )
     edges = [row.arm for row in result.rows if row.lr_at_edge]
     if edges:
         console.print(

@@ -514,3 +514,61 @@ def test_the_bench_records_where_it_ran(benched):
     out, result, _ = benched
     state = json.loads((out / BENCH_FILE).read_text())
     assert state["settings"]["device"] == result.settings["device"] == "cpu, fp32"  # (this machine has no GPU)
+
+
+def test_comparisons_are_paired_by_seed_with_their_standard_error():
+    from deltafy.bench.table import comparisons
+
+    records = [
+        {"arm": "heads", "seed": 0, "loss_after": 3.0},
+        {"arm": "heads", "seed": 1, "loss_after": 3.2},
+        {"arm": "write-only", "seed": 0, "loss_after": 3.1},
+        {"arm": "write-only", "seed": 1, "loss_after": 3.3},
+        {"arm": "write-only", "seed": 2, "loss_after": 9.0},  # no heads seed 2: left out of the pairing
+        {"arm": "ia3", "seed": 0, "loss_after": 2.0},
+        {"arm": "ia3", "seed": 1, "loss_after": 4.0},
+    ]
+    by_pair = {(c.arm, c.against): c for c in comparisons(records)}
+    assert set(by_pair) == {("heads", "write-only"), ("heads", "ia3")}  # the other arms did not run
+    erase = by_pair["heads", "write-only"]
+    assert erase.seeds == 2 and erase.difference == pytest.approx(-0.1) and erase.se == pytest.approx(0.0, abs=1e-12)
+    assert erase.beyond_2se  # the same gap on every seed
+    ia3 = by_pair["heads", "ia3"]  # differences +1.0 and -0.8: mean 0.1, s.e. 0.9
+    assert ia3.difference == pytest.approx(0.1) and ia3.se == pytest.approx(0.9) and not ia3.beyond_2se
+
+
+def test_the_bench_states_each_comparison_whose_arms_ran(tiny, tmp_path):
+    result = bench(tiny, tmp_path / "out", arms=["heads", "write-only"], seeds=2, lrs=[1])
+    (paired,) = result.comparisons
+    after = {(r["arm"], r["seed"]): r["loss_after"] for r in result.records}
+    want = sum(after["heads", s] - after["write-only", s] for s in (0, 1)) / 2
+    assert (paired.arm, paired.against, paired.seeds) == ("heads", "write-only", 2)
+    assert paired.difference == pytest.approx(want) and paired.se is not None
+    state = json.loads((tmp_path / "out" / BENCH_FILE).read_text())
+    assert state["comparisons"][0]["difference"] == pytest.approx(want)
+
+
+def test_the_table_prints_each_comparison_plainly(benched, monkeypatch):
+    from dataclasses import replace
+
+    from deltafy.bench.table import Comparison
+    from deltafy.cli._console import console
+    from deltafy.cli.bench import _print_table
+
+    _, result, _ = benched
+    paired = [
+        Comparison("heads", "write-only", "the erase term", 3, -0.0123, 0.004, True),
+        Comparison("ddl+full", "full", "everything trained", 1, 0.02, None, False),
+    ]
+    monkeypatch.setattr(console, "width", 250)
+    with console.capture() as captured:
+        _print_table(replace(result, comparisons=paired))
+    text = captured.get()
+    assert (
+        "the erase term: heads − write-only = -0.0123 ± 0.0040 nats over 3 seed(s) (beyond 2 s.e.); lower: heads"
+        in text
+    )
+    assert (
+        "everything trained: ddl+full − full = +0.0200 nats over 1 seed(s) (one seed: no standard error); lower: full"
+        in text
+    )
