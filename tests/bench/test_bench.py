@@ -377,7 +377,7 @@ def test_the_write_only_control_trains_from_its_own_recipe_and_is_not_the_heads_
     heads, control = sorted(result.records, key=lambda r: r["arm"] != "heads")
     assert control["arm"] == "write-only" and control["recipe"] == "ddl-write-only"
     assert control["trainable_params"] == heads["trainable_params"]  # the same heads, one term fewer
-    assert control["loss_after"] != heads["loss_after"]
+    assert control["loss_after"] != heads["loss_after"] and control["delta"] != 0  # it trained
     model, tokenizer = load_any(control["path"])
     assert all(not site.erase for _, site in delta_sites(model))
     held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)

@@ -178,10 +178,14 @@ def test_write_only_writes_beta_v_along_k_and_erases_nothing(direction, rank, ch
     assert "write-only" in repr(control) and "write-only" not in repr(erasing)
 
 
-def test_write_only_is_the_original_at_init_bitwise():
+def test_write_only_is_the_original_at_init_bitwise_and_trains_from_step_one():
+    """alpha = 0 keeps the write h bitwise; v starts at rms(x), else alpha and v would both be zero and
+    neither would have a gradient."""
     site = _new(gate="strength", gate_bias=0.0, erase=False)
     x, c, h = _tensors(2)
     assert torch.equal(_run(site, x, c, h), h)
+    site(x, c, h).square().sum().backward()
+    assert site.strength.grad.abs().item() > 0
 
 
 def test_erase_must_be_a_boolean():
