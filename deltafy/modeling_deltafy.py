@@ -254,9 +254,7 @@ class DeltaSite(nn.Module):
                 part.reset_parameters()
             elif part is not None:
                 nn.init.zeros_(part)
-        if (
-            not self.erase
-        ):  # alpha beta v k with alpha = v = 0 has no gradient (LoRA with A = B = 0): v starts at rms(x)
+        if not self.erase:  # alpha beta v k at alpha = v = 0 has no gradient (LoRA at A = B = 0): v = rms(x)
             nn.init.ones_(self.target.bias)
 
     def extra_repr(self) -> str:
