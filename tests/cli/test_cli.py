@@ -382,7 +382,7 @@ def test_train_help_lists_every_training_option(tmp_path):
         assert field.description and field.description in rows[flag], rows[flag]
         assert "or the recipe's" in rows[flag], rows[flag]  # the effective default may be the recipe's
     assert "--keep-adapter" in rows["--merge-lora"]  # today's spelling of merge_lora: false
-    assert "heads | heads+lora | lora | all" in rows["--train"]  # a Literal's choices
+    assert "heads | heads+lora | lora | ia3 | ln-tuning | base | all" in rows["--train"]  # a Literal's choices
     assert "default: 256, or the recipe's" in rows["--seq-len"]
     assert list(tmp_path.iterdir()) == []
 
