@@ -35,6 +35,7 @@ RANK_MAX = 16384
 CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the stream's activations
 Mode = Literal["heads", "heads+lora", "lora", "ia3", "ln-tuning", "base", "all"]  # what a training run trains
 ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
+HEAD_MODES = ("heads", "heads+lora", "all")  # the modes that train the DDL heads (at the recipe's lr)
 
 
 class TrainingDefaults(BaseModel):

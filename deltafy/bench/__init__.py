@@ -133,8 +133,7 @@ def run_bench(
         status("counting trainable parameters")
         budgets = Budgets(models, lora_targets)
         report = progress or (lambda done, total, what: None)
-        bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend)
-        bench.sweep_seeds = sweep_seeds
+        bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend, sweep_seeds)
         lines = len(_swept(names)) + sum(ARMS[n].heads_lr_from is not None for n in names)  # ddl+lora: two
         bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines * sweep_seeds
         try:
@@ -202,11 +201,10 @@ def _now() -> str:
 class _Bench:
     """The runs of one bench and the state file that records each as it finishes."""
 
-    def __init__(self, out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend):
+    def __init__(self, out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend, sweep_seeds):
         self.out, self.state, self.models, self.budgets = out, state, models, budgets
         self.data, self.eval_data, self.isolate, self.status = list(data), list(eval_data), isolate, status
-        self.report, self.lrs, self.extend = report, lrs, extend
-        self.sweep_seeds = 1
+        self.report, self.lrs, self.extend, self.sweep_seeds = report, lrs, extend, sweep_seeds
         self.trained, self.done, self.total = 0, 0, 0
         self.chosen: dict[str, tuple[float, float | None]] = {}  # arm: (best multiplier, the heads' one)
         self.edges: dict[str, bool] = {}  # arm: its best is at an end of its sweep
@@ -438,9 +436,11 @@ def _heads(multiplier: float | None) -> dict:
 
 
 def _lrs(name: str, options) -> dict:
+    from ..options import HEAD_MODES
+
     train = ARMS[name].train
     return {
-        "lr": options.lr if train in ("heads", "heads+lora", "all") else options.lora_lr,
+        "lr": options.lr if train in HEAD_MODES else options.lora_lr,
         "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate, and the base weights')
         "lora_r": options.lora_r if "lora" in train else None,
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import DeltafyError
-from ..options import RANK_MAX
+from ..options import HEAD_MODES, RANK_MAX
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,7 @@ class Budgets:
         self.models = models
         self.lora_targets = lora_targets
         self._heads: dict[str, int] = {}
-        self._per_rank: int | None = None
-        self._adapters: dict[tuple[str, bool], int] = {}
+        self._trained: dict[tuple[str, str, bool], int] = {}
         self.targets: list[str] | None = None  # the LoRA targets peft resolved
 
     def heads(self, recipe: str) -> int:
@@ -112,35 +111,26 @@ class Budgets:
 
     def per_rank(self) -> int:
         """LoRA parameters per unit of rank on the targets (linear in the rank for every layer peft wraps)."""
-        if self._per_rank is None:
+        return self.trained("lora", ARMS["lora"].recipe)
+
+    def trained(self, mode: str, recipe: str, dora: bool = False) -> int:
+        """What training ``mode`` trains, counted by select_trainable: at rank 1 where the mode has a rank
+        (LoRA, DoRA), else its natural count (ia3, ln-tuning, base, all), on the model ``recipe`` converts."""
+        if (mode, recipe, dora) not in self._trained:
             from ..options import options_from
             from ..training.trainable import select_trainable
 
-            model = _load(self.models[ARMS["lora"].recipe])
-            options = options_from(None, train="lora", lora_r=1, lora_alpha=1.0, lora_targets=self.lora_targets)
-            with warnings.catch_warnings():  # transformers' deprecations inside peft: nothing the user can act on
-                warnings.simplefilter("ignore", FutureWarning)
-                model, groups = select_trainable(model, "lora", options)
-            self._per_rank = sum(p.numel() for g in groups for p in g["params"])
-            self.targets = sorted(model.peft_config["default"].target_modules)
-        return self._per_rank
-
-    def adapter(self, mode: str, dora: bool = False) -> int:
-        """The trainable count of training ``mode``, at rank 1 where it has a rank (LoRA, DoRA); the natural
-        count of one without (ia3, ln-tuning)."""
-        if (mode, dora) not in self._adapters:
-            from ..options import options_from
-            from ..training.trainable import select_trainable
-
-            model = _load(self.models[ARMS["lora"].recipe])
+            model = _load(self.models[recipe])
             options = options_from(
                 None, train=mode, lora_r=1, lora_alpha=1.0, lora_dora=dora, lora_targets=self.lora_targets
             )
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # transformers' deprecations inside peft: nothing the user can act on
                 warnings.simplefilter("ignore", FutureWarning)
-                _, groups = select_trainable(model, mode, options)
-            self._adapters[mode, dora] = sum(p.numel() for g in groups for p in g["params"])
-        return self._adapters[mode, dora]
+                model, groups = select_trainable(model, mode, options)
+            self._trained[mode, recipe, dora] = sum(p.numel() for g in groups for p in g["params"])
+            if mode == "lora" and not dora:
+                self.targets = sorted(model.peft_config["default"].target_modules)
+        return self._trained[mode, recipe, dora]
 
     def rank(self, name: str) -> int | None:
         arm = ARMS[name]
@@ -148,14 +138,11 @@ class Budgets:
 
     def count(self, name: str) -> int:
         arm = ARMS[name]
-        if arm.train in ("ia3", "ln-tuning"):
-            return self.adapter(arm.train)
-        if arm.train in ("base", "all"):
-            model = _load(self.models[arm.recipe])
-            return sum(p.numel() for p in model.parameters()) - (self.heads(arm.recipe) if arm.train == "base" else 0)
-        heads = self.heads(arm.recipe) if "heads" in arm.train else 0
+        if arm.train in ("ia3", "ln-tuning", "base", "all"):  # no rank to match: what the mode trains
+            return self.trained(arm.train, arm.recipe)
+        heads = self.heads(arm.recipe) if arm.train in HEAD_MODES else 0
         rank = self.rank(name)
-        magnitudes = self.adapter("lora", dora=True) - self.per_rank() if arm.dora else 0  # one per output
+        magnitudes = self.trained("lora", arm.recipe, dora=True) - self.per_rank() if arm.dora else 0  # one per output
         return heads + (rank * self.per_rank() + magnitudes if rank else 0)
 
 

@@ -10,6 +10,7 @@ without its heads."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,15 +90,10 @@ def servable(section) -> tuple[DeltaSpec, Layout]:
     return spec, layout
 
 
-_LAYER_CLASSES: dict[tuple[type, Callable], type] = {}
-
-
+@functools.cache
 def _with_sites(layer_class: type, forward: Callable) -> type:
     # a class-level forward (vLLM compiles the model's forward, which traces the layers' classes)
-    key = (layer_class, forward)
-    if key not in _LAYER_CLASSES:
-        _LAYER_CLASSES[key] = type(f"Deltafy{layer_class.__name__}", (layer_class,), {"forward": forward})
-    return _LAYER_CLASSES[key]
+    return type(f"Deltafy{layer_class.__name__}", (layer_class,), {"forward": forward})
 
 
 class DeltafyForCausalLM(nn.Module):

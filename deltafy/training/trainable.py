@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError, first_line
-from ..options import ADAPTER_MODES, Mode, TrainOptions
+from ..options import ADAPTER_MODES, HEAD_MODES, Mode, TrainOptions
 from ..sources.folders import readable
 from ..surgery import mean_betas
 
@@ -27,7 +27,7 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
         adapter = [p for n, p in model.named_parameters() if "lora_" in n or "ia3_" in n]
         name = "ia3" if mode == "ia3" else "lora"
         groups.append({"params": adapter, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": name})
-    if mode in ("heads", "heads+lora", "all"):
+    if mode in HEAD_MODES:
         groups += head_parameter_groups(model, recipe)
     if mode == "ln-tuning":
         norms = _norm_parameters(model, options)

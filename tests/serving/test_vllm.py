@@ -58,17 +58,21 @@ def converted(folder: Path, family: str, recipe: str = "ddl-scalar") -> Path:
     return folder
 
 
-def served(folder: Path, dtype: str = "float32", prompts=PROMPTS, **llm_kwargs) -> list[dict]:
+def _child(folder: Path, dtype: str, prompts, llm_kwargs: dict) -> subprocess.CompletedProcess:
+    """vllm_child.py on ``folder``: vLLM in a process of its own."""
     args = [sys.executable, str(CHILD), str(folder), dtype, json.dumps(prompts), json.dumps(llm_kwargs)]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+
+
+def served(folder: Path, dtype: str = "float32", prompts=PROMPTS, **llm_kwargs) -> list[dict]:
+    run = _child(folder, dtype, prompts, llm_kwargs)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(lines[0].removeprefix("RESULT "))
 
 
 def refused(folder: Path, **llm_kwargs) -> str:
-    args = [sys.executable, str(CHILD), str(folder), "float32", json.dumps(PROMPTS), json.dumps(llm_kwargs)]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    run = _child(folder, "float32", PROMPTS, llm_kwargs)
     assert run.returncode != 0 and "RESULT " not in run.stdout
     return run.stdout + run.stderr
 
