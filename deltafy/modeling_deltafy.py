@@ -435,6 +435,10 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise DeltafyError(f"{path!r} is not a non-empty list of decoder layers")
     plan = [(layer, site, *_site_modules(layer, site)) for layer in layers for site in spec.sites]
+    # transformers (>= 5.25) hands the forward of its norms to the kernels library, which would drop ours (at load,
+    # and at every train()/eval()): a converted model runs the forwards its modules have now, kernels off
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
     # A model built on the meta device outside a loading context (a streaming conversion) gets real heads,
     # whose init values the conversion writes; inside transformers' loading context they are meta, and loaded.
     ref = next(model.parameters())
@@ -730,6 +734,12 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+            if kwargs.get("use_kernels"):
+                raise DeltafyError(
+                    "use_kernels=True would replace the forwards of the modules a deltafy model's sites are on "
+                    "(its norms): load it without use_kernels"
+                )
+            kwargs["use_kernels"] = False  # (transformers >= 5.25 turns them on by default: see apply_deltafy)
             if not isinstance(config, base_config_class):
                 hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "revision", "subfolder") if k in kwargs}
                 config = DeltafyConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)

@@ -261,6 +261,22 @@ def test_loading_without_trust_remote_code_fails_loudly(reloaded, tmp_path):
         AutoModelForCausalLM.from_pretrained(str(entries["src-llama-tied"]["out"]), trust_remote_code=False)
 
 
+def test_remote_code_model_keeps_its_sites_through_train_and_eval_and_refuses_use_kernels(reloaded):
+    from transformers import AutoModelForCausalLM
+
+    entries, _ = reloaded
+    entry = entries["heads-llama-untied-ddl-scalar"]
+    model = AutoModelForCausalLM.from_pretrained(str(entry["out"]), trust_remote_code=True)
+    logits, _ = run_model(entry["converted"], entry["ids"])
+    model.train()
+    model.eval()  # (transformers >= 5.25 would hand the norms' forwards to its kernels library here)
+    got, _ = run_model(model, entry["ids"])
+    assert (got - logits).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="use_kernels=True would replace the forwards") as err:
+        AutoModelForCausalLM.from_pretrained(str(entry["out"]), trust_remote_code=True, use_kernels=True)
+    assert len(str(err.value).splitlines()) == 1
+
+
 # -- folder contents --------------------------------------------------------------------------------
 def test_sharded_checkpoint_has_index_and_reloads_equal(reloaded):
     entries, _ = reloaded

@@ -228,6 +228,22 @@ def test_peft_lora_on_modules_that_are_not_sites():
     torch.testing.assert_close(_logits(merged, ids), lora_only, rtol=0, atol=1e-5)
 
 
+def test_a_model_transformers_loaded_keeps_its_sites_through_train_and_eval(tmp_path):
+    # transformers >= 5.25 loads with its kernels library on, which takes over the forward of every norm at each
+    # train()/eval() switch: the conversion turns it off, else the stream captures would be dropped
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama-tied").save_pretrained(tmp_path)
+    model = convert(AutoModelForCausalLM.from_pretrained(tmp_path))
+    open_gates(model)
+    ids = _ids(8)
+    expected, forwards = _logits(model, ids), _instance_forwards(model)
+    model.train()
+    model.eval()
+    assert _instance_forwards(model) == forwards
+    assert torch.equal(_logits(model, ids), expected)
+
+
 # -- threads, copies, pickling ----------------------------------------------------------------------
 
 
