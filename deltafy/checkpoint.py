@@ -27,6 +27,7 @@ from .placement import AUTO, auto_device_map
 from .quiet import quiet_transformers
 from .sources.folders import _atomic_dir
 from .sources.load import NO_REMOTE_CODE
+from .surgery import delta_tensors
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def save(
     spec = {k: v for k, v in spec.items() if k != "base"}  # a full checkpoint needs no base
     if heads_only:
         spec["base"] = base_record(model, base, out, provenance)
-    tensors_written = modeling_deltafy.delta_tensors(model).values() if heads_only else model.state_dict().values()
+    tensors_written = delta_tensors(model).values() if heads_only else model.state_dict().values()
     need = sum(t.numel() * t.element_size() for t in tensors_written)  # for the message of a full disk
     with _atomic_dir(out, overwrite or into, merge=into, need=need) as tmp:
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
@@ -182,7 +183,7 @@ def _save_config(model, folder: Path) -> None:
 
 def head_tensors(model) -> dict[str, torch.Tensor]:
     """The DDL heads under their names in the full checkpoint."""
-    return {name: tensor.detach().contiguous().cpu() for name, tensor in modeling_deltafy.delta_tensors(model).items()}
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in delta_tensors(model).items()}
 
 
 def _save_heads(model, folder: Path) -> None:
@@ -309,7 +310,7 @@ def _check_stored_heads(folder: Path, skeleton) -> None:
                 stored[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
                 holding.add(name)
     source = holding.pop() if len(holding) == 1 else files[0] if len(files) == 1 else "the weight files"
-    heads = modeling_deltafy.delta_tensors(skeleton)
+    heads = delta_tensors(skeleton)
     # Files may hold the tensors without the base model's prefix (GPT-2's "h.0..."): transformers adds it.
     prefix = skeleton.base_model_prefix + "."
     stored = {prefix + k if k not in heads and prefix + k in heads else k: v for k, v in stored.items()}

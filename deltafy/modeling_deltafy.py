@@ -14,11 +14,12 @@
 # each sublayer reads the view sum_j r_j x_j and every channel gets the write and its own correction.
 #
 # Sections and their public names (deltafy imports no other):
-#   the spec      DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
-#   the math      ddl_reference (the formula written out), DeltaDirection, DeltaRead, DeltaSite
-#   the surgery   apply_deltafy, remove_deltafy, disabled, first_input, discard_captures, delta_sites, delta_tensors
-#   checkpoints   HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files, sha256_files,
-#                 deltafy_classes (and the heads-only loader)
+#   the spec            DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
+#   the math            ddl_reference (the formula written out), DeltaDirection, DeltaSite
+#   the surgery         apply_deltafy, remove_deltafy, disabled, first_input, discard_captures
+#   the expanded state  DeltaRead, and the call that tiles, reads and folds the stream's channels
+#   checkpoints         HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files,
+#                       sha256_files, deltafy_classes (and the heads-only loader)
 from __future__ import annotations
 
 import contextlib
@@ -54,11 +55,17 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
 _finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
 _TEXT = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _COUNT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
-_NUMBER = (_finite, "a finite number")
 _POSITIVE = (lambda v: _finite(v) and v > 0, "a finite number > 0")
 _HEX = lambda n: lambda v: isinstance(v, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", v) is not None  # noqa: E731
 _OBJECT = (lambda v: isinstance(v, dict), "an object")
 _one_of = lambda *choices: (lambda v: v in choices, " or ".join(map(repr, choices)))  # noqa: E731
+_SITE_RULES = {"write": _TEXT, "stream": (lambda v: isinstance(v, str), "a string"), "scale": _POSITIVE}
+_SITE_RULES |= {"context": _one_of("output", "input"), "norm_after": (lambda v: v is None or _TEXT[0](v), _TEXT[1])}
+_SPEC_RULES = {"layers": _TEXT, "hidden_size": _COUNT, "direction": _one_of("sublayer", "learned"), "channels": _COUNT}
+_SPEC_RULES |= {"gate": _one_of("logit", "strength"), "gate_bias": (_finite, "a finite number"), "eps": _POSITIVE}
+_SPEC_RULES |= {"erase": (lambda v: isinstance(v, bool), "true or false")}
+_SPEC_RULES |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
+_SPEC_RULES |= {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}
 
 
 def _need(field: str, rule: tuple, value) -> None:
@@ -79,9 +86,7 @@ class SiteSpec:
 
     def __post_init__(self):
         _need("a site's name", _TEXT, self.name)
-        rules = {"write": _TEXT, "stream": (lambda v: isinstance(v, str), "a string")}
-        rules |= {"context": _one_of("output", "input"), "scale": _POSITIVE}
-        for field, rule in (rules | {"norm_after": (lambda v: v is None or _TEXT[0](v), _TEXT[1])}).items():
+        for field, rule in _SITE_RULES.items():
             _need(f"site {self.name!r}: {field}", rule, getattr(self, field))
 
 
@@ -101,11 +106,7 @@ class DeltaSpec:
     erase: bool = True  # False: the write-only control x + m h + alpha beta v k, without DDL's erase term -k^T x
 
     def __post_init__(self):
-        rules = {"layers": _TEXT, "hidden_size": _COUNT, "direction": _one_of("sublayer", "learned")}
-        rules |= {"gate": _one_of("logit", "strength"), "gate_bias": _NUMBER, "eps": _POSITIVE, "channels": _COUNT}
-        rules |= {"erase": (lambda v: isinstance(v, bool), "true or false")}
-        rules |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
-        for field, rule in (rules | {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}).items():
+        for field, rule in _SPEC_RULES.items():
             _need(field, rule, getattr(self, field))
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
@@ -189,59 +190,24 @@ class DeltaDirection(nn.Module):
         return F.linear(F.linear(c, _like(self.down.weight, c)), _like(self.up.weight, c))
 
 
-class DeltaRead(nn.Module):
-    """The view ``sum_j r_j x_j`` of an expanded stream's channels (d_v along dim 0). The weights sum to 1, which
-    keeps the scale the pretrained layers were trained on; computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``,
-    channels that agree read as exactly that stream. The weights start distinct, r_j = (2j + 1) / d_v^2 rolled
-    ``offset`` places (one more at each read): equal weights would hand the equal channels proportional
-    gradients, which Adam turns into identical steps, and the channels would stay copies."""
-
-    def __init__(self, channels: int, offset: int = 0):
-        super().__init__()
-        if channels < 2:
-            raise DeltafyError(f"an expanded stream has at least 2 channels, got {channels}")
-        self.channels, self.offset = channels, offset
-        self.weight = nn.Parameter(torch.empty(channels - 1))  # r_1 .. r_{d_v-1}; r_0 is the rest
-        self.reset_parameters()
-        self._is_hf_initialized = True
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        r = torch.arange(1, 2 * self.channels, 2, dtype=torch.float64) / self.channels**2
-        self.weight.copy_(torch.roll(r, self.offset)[1:])
-
-    def extra_repr(self) -> str:
-        return f"channels={self.channels}, offset={self.offset}"
-
-    def forward(self, channels: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(channels.device.type):
-            with torch.autocast(channels.device.type, enabled=False):
-                return self.forward(channels)
-        first = channels[0].to(torch.promote_types(channels.dtype, torch.float32))
-        view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(first.dtype) - first, dims=1)
-        return view.to(channels.dtype)
-
-
 class DeltaSite(nn.Module):
     """The DDL heads of one residual write (``site`` of ``spec``), as ``layer.delta[site.name]``: gate beta,
-    target v, optional direction k and strength alpha, and the read weights (``read``: their offset) of an
-    expanded stream's module that it is the first site to read."""
+    target v (one per channel), optional direction k and strength alpha."""
 
     # The one seam for a fast path: a function (site, x, c, h) -> h' equal to formula(x, c, h), set on an
     # instance by deltafy where it is supported (deltafy.fused); it reads the parameters on every call.
     fused = None
 
-    def __init__(self, spec: DeltaSpec, site: SiteSpec, read: int | None = None):
+    def __init__(self, spec: DeltaSpec, site: SiteSpec):
         super().__init__()
         d = self.hidden_size = spec.hidden_size
         self.name, self.where = site.name, f"{site.stream or '(layer)'} -> {site.write}"
         self.eps, self.gate_bias_init, self.channels = float(spec.eps), float(spec.gate_bias), spec.channels
         self.scale, self.context, self.erase = float(site.scale), site.context, spec.erase
-        self.gate, self.target = nn.Linear(d, 1), nn.Linear(d, spec.channels)  # v: one target per channel
+        self.gate, self.target = nn.Linear(d, 1), nn.Linear(d, spec.channels)
         self.direction = DeltaDirection(d, spec.rank) if spec.direction == "learned" else None
         # alpha: one element, not a 0-d tensor (FSDP2 shards only parameters of at least one dimension)
         self.strength = nn.Parameter(torch.zeros(1)) if spec.gate == "strength" else None
-        self.read = DeltaRead(spec.channels, read) if read is not None else None
         self.reset_parameters()
         for module in self.modules():  # our init is final: transformers must not re-initialize these
             module._is_hf_initialized = True
@@ -249,20 +215,19 @@ class DeltaSite(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         nn.init.constant_(self.gate.bias, self.gate_bias_init)
-        for part in (self.gate.weight, self.target.weight, self.target.bias, self.strength, self.direction, self.read):
-            if isinstance(part, nn.Module):
-                part.reset_parameters()
-            elif part is not None:
+        for part in (self.gate.weight, self.target.weight, self.target.bias, self.strength):
+            if part is not None:
                 nn.init.zeros_(part)
+        if self.direction is not None:
+            self.direction.reset_parameters()
         if not self.erase:  # alpha beta v k at alpha = v = 0 has no gradient (LoRA at A = B = 0): v = rms(x)
             nn.init.ones_(self.target.bias)
 
     def extra_repr(self) -> str:
         kind = "sublayer" if self.direction is None else f"learned (rank {self.direction.rank or 'full'})"
-        gate = "" if self.strength is None else ", gate=strength"
-        channels = "" if self.channels == 1 else f", channels={self.channels}"
-        erase = "" if self.erase else ", write-only"
-        return f"{self.where}, direction={kind}, scale={self.scale:g}{gate}{channels}{erase}"
+        extra = [", gate=strength"] * (self.strength is not None) + [", write-only"] * (not self.erase)
+        extra += [f", channels={self.channels}"] * (self.channels > 1)
+        return f"{self.where}, direction={kind}, scale={self.scale:g}{''.join(extra)}"
 
     def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(g, u, 1/|c|) per token in c's precision: gate logit (beta = 2 sigmoid(g)), target (v = u rms(x),
@@ -321,6 +286,9 @@ class _Stash(threading.local):
 
 _STASH, _PENDING = _Stash(), "pending"
 _stash = lambda: _STASH.sites  # noqa: E731
+# a module's output is h or a tuple (h, ...)
+_output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
+_with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
 
 
 def discard_captures() -> None:
@@ -333,30 +301,15 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
 
 
-def _with_first(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    if args and isinstance(args[0], torch.Tensor):
-        return (x, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}
-
-
-# a module's output is h or a tuple (h, ...); an expanded stream's first input is its channels, tiled
-_output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
-_with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
-_tile = lambda x, channels: x.repeat(channels, *(1,) * (x.dim() - 1))  # noqa: E731
-
-
 class _SiteCall:
     """The ``forward`` deltafy sets on a module of a site: its own forward (or the wrapper set before ours, e.g.
     accelerate's), then the capture of x and c for the sites whose stream it is and the write h <- site(x, c, h)
     of those whose write it is (OPT's post-LN attention is both). An instance attribute, not hooks: torch.compile
-    traces plain code, and a module without hooks keeps torch's fast call path. An expanded stream travels as
-    its channels stacked on dim 0: the first layer's input becomes d_v copies (``expand``), a stream module runs
-    on the view of its ``read`` while its sites see the channels, and the last layer returns the ``final`` view."""
+    traces plain code, and a module without hooks keeps torch's fast call path."""
 
     def __init__(self, module: nn.Module):
         self.module, self.inner = module, module.__dict__.get("forward")
-        self.captures, self.writes = [], []  # the sites whose stream, and whose write, it is
-        self.enabled, self.channels, self.expand, self.read, self.final = True, 1, False, None, None
+        self.captures, self.writes, self.enabled = [], [], True  # the sites whose stream, and whose write, it is
 
     def _forward(self, *args, **kwargs):
         if self.inner is None:
@@ -364,24 +317,15 @@ class _SiteCall:
         return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        self._ran()
+        output = self._forward(*args, **kwargs)
+        return self._sites(args, kwargs, output) if self.enabled else output
+
+    def _ran(self) -> None:  # the checkpoint class's forward checks that every site's write ran
         pending = _stash().get(_PENDING)
         if pending is not None:
             for site in self.writes:
                 pending.discard(id(site))
-        channels = None  # an expanded stream's channels, where this module reads their view
-        if self.expand:
-            args, kwargs = _with_first(args, kwargs, _tile(first_input(args, kwargs), self.channels))
-        elif self.read is not None:
-            channels = first_input(args, kwargs).unflatten(0, (self.channels, -1))
-            args, kwargs = _with_first(args, kwargs, self.read(channels))
-        output = self._forward(*args, **kwargs)
-        if self.enabled:
-            output = self._sites(args, kwargs, output, channels)
-        elif self.writes and self.channels > 1:  # disabled, every channel receives the write as it is
-            output = _with_output(output, _tile(_output(output), self.channels))
-        if self.final is not None:
-            output = _with_output(output, self.final(_output(output).unflatten(0, (self.channels, -1))))
-        return output
 
     def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
@@ -395,15 +339,15 @@ class _SiteCall:
                     "model's layer code"
                 )
             h = site(*stash.pop(id(site)), _output(output))
-            output = _with_output(output, h.flatten(0, 1) if self.channels > 1 else h)
+            output = _with_output(output, h.flatten(0, 1) if site.channels > 1 else h)
         return output
+
+    def roles(self) -> list[str]:
+        return [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
 
     def extra_repr(self) -> str:
         """The module's own extra_repr and its roles in the sites: print(model) shows the surgery."""
-        roles = [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
-        roles += ["expands the stream"] * self.expand + ["reads the view"] * (self.read is not None)
-        roles += ["final view"] * (self.final is not None)
-        own = type(self.module).extra_repr(self.module)
+        roles, own = self.roles(), type(self.module).extra_repr(self.module)
         return ", ".join(filter(None, (own, "deltafy: " + ", ".join(roles) if roles else "")))
 
 
@@ -421,13 +365,12 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     spec = spec if isinstance(spec, DeltaSpec) else DeltaSpec.from_dict(spec)
     if getattr(model, "_deltafy_calls", None):
         raise DeltafyError("this model is already converted")
-    d_v = spec.channels
-    if d_v > 1 and any(site.stream == "" for site in spec.sites):
+    if spec.channels > 1 and any(site.stream == "" for site in spec.sites):
         raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
     # the spec's path is the causal LM's; the bare model (AutoModel) holds the layers below its base_model_prefix
-    prefix, path = getattr(model, "base_model_prefix", "") + ".", spec.layers
+    path = spec.layers
     if getattr(model, "base_model", None) is model:
-        path = path.removeprefix(prefix)
+        path = path.removeprefix(getattr(model, "base_model_prefix", "") + ".")
     try:
         layers = model.get_submodule(path)
     except AttributeError as err:
@@ -443,35 +386,27 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     # whose init values the conversion writes; inside transformers' loading context they are meta, and loaded.
     ref = next(model.parameters())
     place = {"device": None if ref.is_meta else ref.device, "dtype": ref.dtype}
+    make = _SiteCall if spec.channels == 1 else functools.partial(_ExpandedCall, channels=spec.channels)
     calls: dict[int, _SiteCall] = {}
 
     def call(module: nn.Module, layer: nn.Module) -> _SiteCall:
         if id(module) not in calls:  # each layer lists its calls, for disabled() on a part of the model
-            calls[id(module)] = _SiteCall(module)
+            calls[id(module)] = make(module)
             layer.__dict__.setdefault("_deltafy_calls", []).append(calls[id(module)])
         return calls[id(module)]
 
-    reads = 0  # an expanded stream's reads so far: each starts its weights one place further round
     for layer, site, stream, write in plan:
-        # the first site to read a stream module holds its view's read weights (parallel sublayers: one view)
-        read = d_v > 1 and id(stream) not in calls
-        delta = DeltaSite(spec, site, read=reads if read else None).to(**place)
-        reads += read
         if not hasattr(layer, "delta"):
             layer.delta = nn.ModuleDict()
-        layer.delta[site.name] = delta
+        delta = layer.delta[site.name] = DeltaSite(spec, site).to(**place)
         call(stream, layer).captures.append(delta)
         call(write, layer).writes.append(delta)
-        if read:
-            calls[id(stream)].read = delta.read
-    if d_v > 1:
-        layers[-1].delta["final"] = DeltaRead(d_v, reads).to(**place)
-        call(layers[0], layers[0]).expand = True
-        call(layers[-1], layers[-1]).final = layers[-1].delta["final"]
+    if spec.channels > 1:
+        _expand(layers, [(layer.delta[site.name], call(stream, layer)) for layer, site, stream, _ in plan], call, place)
     for site_call in calls.values():
-        site_call.channels, site_call.module.forward, site_call.module.extra_repr = d_v, site_call, site_call.extra_repr
+        site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
-    model._deltafy_writes = tuple(id(call) for site_call in calls.values() for call in site_call.writes)
+    model._deltafy_writes = tuple(id(site) for site_call in calls.values() for site in site_call.writes)
     return model
 
 
@@ -483,8 +418,8 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
     model.__dict__.pop("_deltafy_writes", None)
     for call in calls:
         call.module.__dict__.pop("extra_repr", None)
-        if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: pass through
-            call.captures, call.writes, call.channels, call.expand, call.read, call.final = [], [], 1, False, None, None
+        if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: a pass-through now
+            call.__class__, call.captures, call.writes = _SiteCall, [], []
         elif call.inner is None:
             del call.module.forward
         else:
@@ -516,19 +451,92 @@ def disabled(model: nn.Module):
             call.enabled = enabled
 
 
-def delta_sites(model: nn.Module):
-    """Yield (qualified name, DeltaSite) for every site of a converted model."""
-    return ((name, module) for name, module in model.named_modules() if isinstance(module, DeltaSite))
+# -- the expanded state --------------------------------------------------------------------------
+class DeltaRead(nn.Module):
+    """The view ``sum_j r_j x_j`` of an expanded stream's channels (d_v along dim 0). The weights sum to 1, which
+    keeps the scale the pretrained layers were trained on; computed as ``x_0 + sum_{j>0} r_j (x_j - x_0)``,
+    channels that agree read as exactly that stream. The weights start distinct, r_j = (2j + 1) / d_v^2 rolled
+    ``offset`` places (one more at each read): equal weights would hand the equal channels proportional
+    gradients, which Adam turns into identical steps, and the channels would stay copies."""
+
+    def __init__(self, channels: int, offset: int = 0):
+        super().__init__()
+        if channels < 2:
+            raise DeltafyError(f"an expanded stream has at least 2 channels, got {channels}")
+        self.channels, self.offset = channels, offset
+        self.weight = nn.Parameter(torch.empty(channels - 1))  # r_1 .. r_{d_v-1}; r_0 is the rest
+        self.reset_parameters()
+        self._is_hf_initialized = True
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        r = torch.arange(1, 2 * self.channels, 2, dtype=torch.float64) / self.channels**2
+        self.weight.copy_(torch.roll(r, self.offset)[1:])
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, offset={self.offset}"
+
+    def forward(self, channels: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(channels.device.type):
+            with torch.autocast(channels.device.type, enabled=False):
+                return self.forward(channels)
+        first = channels[0].to(torch.promote_types(channels.dtype, torch.float32))
+        view = first + torch.tensordot(_like(self.weight, first), channels[1:].to(first.dtype) - first, dims=1)
+        return view.to(channels.dtype)
 
 
-def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor deltafy added (the sites' heads, an expanded stream's final read) by its state-dict name."""
-    return {
-        f"{prefix}{'.' if prefix else ''}delta.{key}": tensor
-        for prefix, module in model.named_modules()
-        if isinstance(getattr(module, "delta", None), nn.ModuleDict)
-        for key, tensor in module.delta.state_dict().items()
-    }
+_tile = lambda x, channels: x.repeat(channels, *(1,) * (x.dim() - 1))  # noqa: E731
+
+
+class _ExpandedCall(_SiteCall):
+    """A _SiteCall on an expanded stream, whose channels travel stacked on dim 0: the first layer's input becomes
+    d_v copies (``expand``), a stream module runs on the view of its ``read`` while its sites see the channels, a
+    switched-off write reaches every channel as it is, and the last layer returns the ``final`` view."""
+
+    def __init__(self, module: nn.Module, channels: int):
+        super().__init__(module)
+        self.channels, self.expand, self.read, self.final = channels, False, None, None
+
+    def __call__(self, *args, **kwargs):
+        self._ran()
+        channels = None  # the channels, where this module runs on their view
+        if self.expand or self.read is not None:
+            x = first_input(args, kwargs)
+            if self.expand:
+                x = _tile(x, self.channels)
+            else:
+                channels = x.unflatten(0, (self.channels, -1))
+                x = self.read(channels)
+            if args and isinstance(args[0], torch.Tensor):
+                args = (x, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": x}
+        output = self._forward(*args, **kwargs)
+        if self.enabled:
+            output = self._sites(args, kwargs, output, channels)
+        elif self.writes:  # switched off: every channel receives the write as it is
+            output = _with_output(output, _tile(_output(output), self.channels))
+        if self.final is not None:
+            output = _with_output(output, self.final(_output(output).unflatten(0, (self.channels, -1))))
+        return output
+
+    def roles(self) -> list[str]:
+        roles = ["expands the stream"] * self.expand + ["reads the view"] * (self.read is not None)
+        return super().roles() + roles + ["final view"] * (self.final is not None)
+
+
+def _expand(layers: nn.ModuleList, sites: list, call, place: dict) -> None:
+    """An expanded stream over converted layers (``sites``: each DeltaSite and its stream's call): the first site to
+    read a stream module holds the read weights of its view (parallel sublayers read one view), each read starting
+    one place further round than the last; the first layer tiles the stream, the last returns the final view."""
+    reads = 0
+    for delta, stream in sites:
+        if stream.read is None:
+            stream.read = delta.read = DeltaRead(stream.channels, reads).to(**place)
+            reads += 1
+    call(layers[0], layers[0]).expand = True
+    last = call(layers[-1], layers[-1])
+    last.final = layers[-1].delta["final"] = DeltaRead(last.channels, reads).to(**place)
 
 
 # -- the checkpoint's classes --------------------------------------------------------------------
@@ -542,6 +550,10 @@ _PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command li
 
 class BaseModelError(DeltafyError, OSError):
     """The base model of a heads-only checkpoint is missing or is not the one it was made from."""
+
+
+def _not_base(location, why: str) -> BaseModelError:
+    return BaseModelError(f"{location} is not the base model this checkpoint was made from: {why}")
 
 
 def _misfit(source: str, missing: list[str], unexpected: list[str]) -> None:
@@ -630,12 +642,11 @@ def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | Non
     got = sha256_files(base_weight_files(location)) if want else {}
     for name in sorted(want.keys() | got.keys()):
         if want.get(name) != got.get(name):
-            found = f"sha256 {got[name][:12]}" if name in got else "missing"
-            expected = f"sha256 {want[name][:12]}" if name in want else "no such file"
-            raise BaseModelError(
-                f"{location} is not the base model this checkpoint was made from: {name} is {found}, "
-                f"expected {expected}"
+            found, expected = (
+                f"sha256 {d[name][:12]}" if name in d else gone
+                for d, gone in ((got, "missing"), (want, "no such file"))
             )
+            raise _not_base(location, f"{name} is {found}, expected {expected}")
     location = location.resolve()
     if location.is_file():  # a .gguf file: transformers dequantizes it
         return location, str(location.parent), {"gguf_file": location.name}
@@ -691,10 +702,7 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     # which has no hashes to prove what it is, may not leave one over either.
     odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if "id" in record and local else ())})
     if odd:
-        raise BaseModelError(
-            f"{location} is not the base model this checkpoint was made from: {len(odd)} tensors missing or "
-            f"left over (e.g. {odd[0]})"
-        )
+        raise _not_base(location, f"{len(odd)} tensors missing or left over (e.g. {odd[0]})")
     if pin.get("revision"):  # the Hub may answer for a pinned commit with another: see where the files landed
         revision = extract_commit_hash(cached_file(location, "config.json", revision=pin["revision"], **hub), None)
         if revision != pin["revision"]:

@@ -10,15 +10,7 @@ from torch import nn
 from .architectures import layout_for, site_specs
 from .errors import DeltafyError
 from .fused import enable_where_available
-from .modeling_deltafy import (
-    DELTAFY_FORMAT_VERSION,
-    DeltaSite,
-    DeltaSpec,
-    apply_deltafy,
-    delta_sites,
-    delta_tensors,
-    remove_deltafy,
-)
+from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, DeltaSpec, apply_deltafy, remove_deltafy
 from .options import Recipe, load_recipe
 
 
@@ -43,6 +35,21 @@ def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:
         "parallel": layout.parallel,
         **spec.to_dict(),
         "recipe": recipe.model_dump(mode="json"),
+    }
+
+
+def delta_sites(model: nn.Module):
+    """Yield (qualified name, DeltaSite) for every site of a converted model."""
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, DeltaSite))
+
+
+def delta_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor deltafy added (the sites' heads, an expanded stream's final read) by its state-dict name."""
+    return {
+        f"{prefix}{'.' if prefix else ''}delta.{key}": tensor
+        for prefix, module in model.named_modules()
+        if isinstance(getattr(module, "delta", None), nn.ModuleDict)
+        for key, tensor in module.delta.state_dict().items()
     }
 
 
@@ -168,6 +175,8 @@ __all__ = [
     "head_parameter_groups",
     "is_converted",
     "delta_parameters",
+    "delta_sites",
+    "delta_tensors",
     "mean_betas",
     "DeltaSite",
 ]

@@ -21,7 +21,7 @@ from deltafy.bench.arms import Budgets, nearest_rank
 from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
-from deltafy.modeling_deltafy import delta_sites
+from deltafy.surgery import delta_sites
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]

@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernels.py
+"""benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernel_count.py
 counts more kernels for a converted tiny Llama than for its original."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
 
 
 def test_kernel_counts_of_a_tiny_llama():
-    kernels = _script("kernels")
+    kernels = _script("kernel_count")
     interpret_before = os.environ.get("TRITON_INTERPRET")
     original = tiny_model("llama-tied")
     result = kernels.count_kernels(original, phases=("decode", "train"), decode_steps=2, batch=1, seq_len=16)

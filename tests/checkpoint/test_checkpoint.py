@@ -28,8 +28,8 @@ from safetensors import safe_open
 import deltafy
 from deltafy.conversion.job import convert_source
 from deltafy.files import MODELING_FILE
-from deltafy.modeling_deltafy import delta_sites
 from deltafy.sources.folders import file_mode
+from deltafy.surgery import delta_sites
 
 SOURCE_CASES = [
     "llama-tied",

@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 import deltafy
 from deltafy.checkpoint import HEADS_FILE
-from deltafy.modeling_deltafy import delta_sites
 from deltafy.sources.folders import file_mode
+from deltafy.surgery import delta_sites
 
 CASES = [
     ("llama-untied", "ddl-scalar"),

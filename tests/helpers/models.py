@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from deltafy.modeling_deltafy import DeltaRead, delta_sites
+from deltafy.modeling_deltafy import DeltaRead
+from deltafy.surgery import delta_sites
 
 _SMALL = dict(
     hidden_size=64,

@@ -26,8 +26,8 @@ from deltafy.conversion.verify import (
     record_reference,
     self_check,
 )
-from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec, apply_deltafy, delta_sites
-from deltafy.surgery import build_spec, is_converted, mean_betas
+from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec, apply_deltafy
+from deltafy.surgery import build_spec, delta_sites, is_converted, mean_betas
 
 NEW_TOKENS = 32
 LEARNED_CASES = ["llama-tied", "gpt2", "gpt_neox-parallel", "opt-post-ln", "gemma2", "granite", "falcon-new-2ln"]

@@ -16,7 +16,7 @@ from helpers.models import open_gates, tiny_model
 from transformers import DynamicCache
 
 import deltafy
-from deltafy.modeling_deltafy import delta_sites
+from deltafy.surgery import delta_sites
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ from helpers.models import open_gates, tiny_model
 
 import deltafy
 from deltafy.conversion.verify import make_inputs, record_reference, self_check
-from deltafy.modeling_deltafy import DeltaRead, DeltaSpec, delta_sites, delta_tensors
-from deltafy.surgery import head_parameter_groups, summarize
+from deltafy.modeling_deltafy import DeltaRead, DeltaSpec
+from deltafy.surgery import delta_sites, delta_tensors, head_parameter_groups, summarize
 
 NEW_TOKENS = 32
 

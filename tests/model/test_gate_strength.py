@@ -10,8 +10,9 @@ import torch
 from helpers.models import DELTAFY_FREE_PREAMBLE, fixed_ids, run_deltafy_free, tiny_model
 
 import deltafy
-from deltafy.modeling_deltafy import DeltaSpec, delta_sites
+from deltafy.modeling_deltafy import DeltaSpec
 from deltafy.options import Recipe
+from deltafy.surgery import delta_sites
 
 RECIPE = "ddl-scalar"  # the default recipe
 

@@ -16,8 +16,8 @@ from helpers.models import DELTAFY_FREE_PREAMBLE, run_deltafy_free
 
 import deltafy
 from deltafy.errors import DeltafyError
-from deltafy.modeling_deltafy import delta_sites
 from deltafy.sources.load import load_source, resolve_alias
+from deltafy.surgery import delta_sites
 
 pytestmark = pytest.mark.slow
 

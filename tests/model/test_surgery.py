@@ -16,8 +16,8 @@ from helpers.models import gates_at, open_gates, tiny_model
 
 import deltafy
 from deltafy import convert, head_parameter_groups, load_recipe
-from deltafy.modeling_deltafy import _stash, delta_sites
-from deltafy.surgery import mean_betas
+from deltafy.modeling_deltafy import _stash
+from deltafy.surgery import delta_sites, mean_betas
 
 
 @pytest.fixture()

@@ -14,8 +14,7 @@ import torch
 from helpers.models import DELTAFY_FREE_PREAMBLE, open_gates, run_deltafy_free, tiny_model
 
 import deltafy
-from deltafy.modeling_deltafy import delta_sites
-from deltafy.surgery import mean_betas
+from deltafy.surgery import delta_sites, mean_betas
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = pytest.mark.slow

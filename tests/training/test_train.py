@@ -582,7 +582,7 @@ def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
     base = {k for k in before if not is_head(k)}
     assert base <= changed_keys(before, after)  # every pretrained tensor trained
     reloaded = deltafy.load(out)  # still a deltafy checkpoint
-    assert sum(1 for _ in deltafy.modeling_deltafy.delta_sites(reloaded)) == 4
+    assert sum(1 for _ in deltafy.surgery.delta_sites(reloaded)) == 4
 
 
 def test_eval_every_logs_held_out_loss(tiny, tmp_path):

@@ -1,10 +1,10 @@
 """Compute kernels per decode token and per training step: original vs converted, counted with torch.profiler.
 
-    python benchmarks/kernels.py                                 # SmolLM2-135M and random GPT-2 124M, bf16, CPU
-    python benchmarks/kernels.py --models smollm2 --dtype float32
-    python benchmarks/kernels.py --recipe ddl-learned --top 12   # and the ops the conversion adds, by name
-    python benchmarks/kernels.py --compile                       # also torch.compile'd (minutes per model on CPU)
-    python benchmarks/kernels.py --device cuda --compile         # CUDA kernel launches; the fused path too
+    python benchmarks/kernel_count.py                                 # SmolLM2-135M and random GPT-2 124M, bf16, CPU
+    python benchmarks/kernel_count.py --models smollm2 --dtype float32
+    python benchmarks/kernel_count.py --recipe ddl-learned --top 12   # and the ops the conversion adds, by name
+    python benchmarks/kernel_count.py --compile                       # also torch.compile'd (minutes per model on CPU)
+    python benchmarks/kernel_count.py --device cuda --compile         # CUDA kernel launches; the fused path too
 
 A decode step is dispatch-bound: at batch 1 its time is about (kernels launched) x (cost of a launch),
 so the kernels a conversion adds per step are the number to keep down. This counts them; it times nothing.
