@@ -497,6 +497,17 @@ def test_every_bench_flag_is_a_field_of_its_options_model_with_its_default_in_th
     assert "default: 0.3,1,3" in help_text and "default: 4)" in help_text and "default: 256)" in help_text
 
 
+def test_the_help_lists_every_arm_with_its_description():
+    from typer.testing import CliRunner
+
+    from deltafy.bench.arms import ARMS
+    from deltafy.cli import app
+
+    help_text = " ".join(CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output.split())
+    for name, arm in ARMS.items():
+        assert f"{name} {arm.description}" in help_text, name
+
+
 def test_presets_set_the_budget_and_flags_override_them():
     from deltafy.options import BENCH_PRESETS, bench_options
 
