@@ -90,9 +90,10 @@ def transformers_logprobs(folder: Path, dtype: str, prompts, results, heads: boo
     return out
 
 
-def compare(prompts, results, reference) -> tuple[bool, float]:
-    """(greedy tokens equal, max |Δ log-prob|) over every prompt position and every generated token."""
-    same, worst = True, 0.0
+def compare(prompts, results, reference, mean: bool = False) -> tuple[bool, float]:
+    """(greedy tokens equal, max |Δ log-prob|) over every prompt position and every generated token; ``mean``:
+    the mean |Δ log-prob| over them instead of the max."""
+    same, worst, gaps = True, 0.0, []
     for prompt, result, lp in zip(prompts, results, reference, strict=True):
         n, tokens = len(prompt), result["tokens"]
         same &= lp[n - 1 : n - 1 + len(tokens)].argmax(-1).tolist() == tokens
@@ -104,7 +105,8 @@ def compare(prompts, results, reference) -> tuple[bool, float]:
             ]
         )
         worst = max(worst, (ours - ref).abs().max().item())
-    return same, worst
+        gaps.append((ours - ref).abs())
+    return same, torch.cat(gaps).mean().item() if mean else worst
 
 
 CASES = [
@@ -200,13 +202,20 @@ def test_vllm_serves_smollm2_with_its_trained_heads(smollm, dtype):
     _, stock = compare(prompts, results, transformers_logprobs(root / "trained", dtype, prompts, results, heads=False))
     # the stock model through vLLM's own Llama: how far vLLM and transformers part in this dtype anyway
     base = served(root / "stock", dtype, prompts)
-    _, control = compare(prompts, base, transformers_logprobs(root / "stock", dtype, prompts, base))
+    stock_reference = transformers_logprobs(root / "stock", dtype, prompts, base)
+    _, control = compare(prompts, base, stock_reference)
+    _, typical = compare(prompts, results, transformers_logprobs(root / "trained", dtype, prompts, results), mean=True)
+    _, typical_control = compare(prompts, base, stock_reference, mean=True)
     print(
         f"SmolLM2 {dtype}: max |Δ log-prob| vs transformers {worst:.2g} (the stock model's: {control:.2g}), "
-        f"vs the stock model {stock:.2g}"
+        f"mean {typical:.2g} (the stock model's: {typical_control:.2g}), vs the stock model {stock:.2g}"
     )
     assert same and stock > 0.5  # trained heads move SmolLM2's log-probs by about a nat
-    assert worst <= (1e-4 if dtype == "float32" else 2 * control)
+    if dtype == "float32":
+        assert worst <= 1e-4
+    else:  # bf16: the engines round differently anyway (the stock model's own gap); no worse than that, typically,
+        # and the largest gap far below what serving the model without its heads would give
+        assert typical <= 2 * typical_control and worst <= stock / 3
 
 
 @pytest.mark.slow
