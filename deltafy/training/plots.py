@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -83,9 +84,11 @@ def plot_betas(betas: Mapping, path: str | Path, title: str = "", label: str = "
 def beta_figure(betas: Mapping, title: str = "", label: str = "β"):
     """Mean ``label`` (β, or α·β) per layer, one line per site, every value drawn with its sign.
 
-    The axis is symmetric-log: linear within the smallest magnitude present, logarithmic beyond, so
-    a logit gate's 3e-8 at init and a trained 0.5 show on one axis, and a negative α·β (a site
-    that learned to remove its correction) lies below the zero line instead of vanishing."""
+    The axis is linear, so that sign and size read directly, unless it would flatten most sites onto the
+    zero line (half of them under a twentieth of the largest: a logit gate's 3e-8 beside an opened 0.5);
+    then it is symmetric-log, linear within a power of ten at or below the smallest magnitude and
+    logarithmic beyond, and a negative α·β (a site that learned to remove its correction) still lies
+    below the zero line instead of vanishing."""
     by_site = betas_by_site(betas)
     if not by_site:
         raise DeltafyError("the model has no DDL sites to draw")
@@ -96,9 +99,11 @@ def beta_figure(betas: Mapping, title: str = "", label: str = "β"):
         ax.plot(range(len(values)), values, marker="o", markersize=4, linewidth=1.5, label=site)
     ax.axhline(0.0, color="0.5", linewidth=0.8)
     scale = ""
-    if magnitudes and max(magnitudes) / min(magnitudes) > 100:  # a linear axis would flatten the small ones to 0
-        ax.set_yscale("symlog", linthresh=min(magnitudes), linscale=0.5)
-        scale = f" (symmetric log scale, linear within ±{min(magnitudes):.1g})"
+    if magnitudes and statistics.median(magnitudes) < max(magnitudes) / 20:
+        linthresh = 10.0 ** math.floor(math.log10(min(magnitudes)))  # a round number: its ticks read as such
+        ax.set_yscale("symlog", linthresh=linthresh, linscale=1.0)
+        scale = f" (symmetric log scale, linear within ±{linthresh:g})"
+    ax.margins(y=0.06)  # the largest markers whole, not cut by the frame
     layers = max(len(v) for v in by_site.values())
     ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
     ax.set_xlabel("layer")

@@ -205,6 +205,21 @@ def test_a_signed_alpha_beta_is_drawn_whole_with_its_sign():
     assert beta_figure({"s": [0.1, -0.2, 0.3]}).axes[0].get_yscale() == "linear"
 
 
+def test_a_short_runs_alpha_beta_is_drawn_on_a_linear_axis():
+    """The README's 16 steps: factors of either sign up to 0.08, most of them hundredths and one 6e-4.
+    One small value does not turn the axis logarithmic (that drew a sign flip of 0.05 as a jump across
+    four decades, and crowded the labels around 0); on a linear axis every marker lies inside the frame."""
+    attn = [0.047, -0.081, -0.077, -0.028, -0.073, 0.0092, 0.021, -0.07, -0.03, 0.03, -0.012, -0.015, 0.066]
+    mlp = [0.077, -0.031, -0.082, 0.039, -0.031, 0.013, 0.01, 0.011, 0.0066, -0.032, 0.029, -0.033, -0.00059]
+    ax = beta_figure({"attn": attn, "mlp": mlp}, "smol-trained", label="α·β").axes[0]
+    assert ax.get_yscale() == "linear" and "log" not in ax.get_ylabel()
+    low, high = ax.get_ylim()
+    assert low < min(attn + mlp) and high > max(attn + mlp)
+    # a logit gate's 3e-8 beside opened sites: logarithmic, linear within a power of ten
+    opened = beta_figure({"attn": [3e-8, 3e-8, 0.4, 3e-8], "mlp": [3e-8, 0.2, 3e-8, 3e-8]}).axes[0]
+    assert opened.get_yscale() == "symlog" and "linear within ±1e-08" in opened.get_ylabel()
+
+
 def test_training_figures_from_a_runs_metrics(tmp_path):
     records = [{"loss": 5 - math.log(step), "step": step, "learning_rate": 1e-3} for step in range(1, 31)]
     records += [{"eval_loss": 5.1 - math.log(step) / 2, "step": step} for step in (10, 20, 30)]
