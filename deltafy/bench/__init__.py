@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import DeltafyError
-from .arms import ARMS, Budgets, needed, parse_arms, recipes_for
+from .arms import ARMS, Budgets, needed, parse_arms, rate_label, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
 from .settings import check, data_fingerprints, default_eval_every, options_for
@@ -240,7 +240,7 @@ class _Bench:
 
     def arm(self, name: str, seeds: int) -> None:
         best, heads = self.sweep(name)
-        rate = f"lr ×{best:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{best:g}"
+        rate = rate_label(name, best, heads)
         for seed in range(seeds):
             what = f"{name} · seed {seed + 1} of {seeds} ({rate})"
             found = self._find("records", name, seed=seed, lr_multiplier=best, heads_lr_multiplier=heads)
@@ -305,7 +305,7 @@ class _Bench:
         """One point of the sweep on each sweep seed, trained unless the bench has its score already."""
         for seed in range(self.sweep_seeds):
             if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads, seed=seed) is None:
-                rate = f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, LoRA ×{multiplier:g}"
+                rate = rate_label(name, multiplier, heads)
                 seeded = f" · seed {seed + 1} of {self.sweep_seeds}" if self.sweep_seeds > 1 else ""
                 self.report(self.done, self.total, f"{name} · sweep {rate}{seeded}")
                 self._validate(name, multiplier, heads, seed)

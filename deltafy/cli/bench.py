@@ -6,7 +6,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..bench.arms import ARMS
+from ..bench.arms import ARMS, second_rate
 from ..options import BenchOptions
 from ._console import console, err_console, state
 from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
@@ -125,11 +125,13 @@ class _Bar:
 
 
 def _rate(row) -> str:
-    """The learning rate and its multiplier; the heads' and LoRA's apart where they were chosen apart."""
+    """The learning rate and its multiplier; the heads' and the other group's (LoRA or the weights) apart where
+    they were chosen apart."""
     edge = "*" if row.lr_at_edge else ""
     if row.heads_lr_multiplier is None:
         return f"{row.lr:.2g} ×{row.lr_multiplier:g}{edge}"
-    return f"heads {row.lr:.2g} ×{row.heads_lr_multiplier:g}\nLoRA {row.lora_lr:.2g} ×{row.lr_multiplier:g}{edge}"
+    other = f"{second_rate(row.arm)} {row.lora_lr:.2g} ×{row.lr_multiplier:g}{edge}"
+    return f"heads {row.lr:.2g} ×{row.heads_lr_multiplier:g}\n{other}"
 
 
 def _print_table(result) -> None:

@@ -17,7 +17,7 @@ from helpers.cli import assert_one_line_error, cli
 from helpers.training import read_tensors, subprocess_env
 
 from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
-from deltafy.bench.arms import Budgets, nearest_rank
+from deltafy.bench.arms import Budgets, nearest_rank, rate_label
 from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text, load_any
@@ -400,6 +400,13 @@ def test_the_peft_baselines_train_at_their_counts(tiny, tmp_path):
         assert abs(held.loss - record["loss_after"]) < 1e-4, name
     assert records["dora"]["trainable_params"] > records["lora"]["trainable_params"]
     assert records["dora"]["loss_after"] != records["lora"]["loss_after"]
+
+
+def test_a_borrowed_heads_rate_is_named_beside_what_the_arm_sweeps_itself():
+    # ddl+full's own rate is the pretrained weights' (lora_lr drives them): calling it LoRA misled a reader
+    assert rate_label("ddl+lora", 3.0, 1.0) == "heads ×1, LoRA ×3"
+    assert rate_label("ddl+full", 0.1, 3.0) == "heads ×3, weights ×0.1"
+    assert rate_label("full", 10.0, None) == "lr ×10"
 
 
 def test_full_and_ddl_full_train_every_weight_they_should(tiny, tmp_path):
