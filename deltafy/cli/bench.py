@@ -136,6 +136,7 @@ def _rate(row) -> str:
 
 def _print_table(result) -> None:
     from rich import box
+    from rich.measure import Measurement
     from rich.table import Table
 
     from ..bench.table import ROSE
@@ -167,7 +168,15 @@ def _print_table(result) -> None:
             f"{row.seconds_per_step:.2f}",
             peak,
         )
-    console.print(table)
+    # Off a terminal (a log, a pipe) rich assumes 80 columns and would cut "write-only" to "write-on…" and
+    # wrap every cell: there the table takes the width it needs.
+    width = console.width
+    if not console.is_terminal:
+        console.width = max(width, Measurement.get(console, console.options.update_width(1000), table).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
     for c in result.comparisons:
         spread = "" if c.se is None else f" ± {c.se:.4f}"
         verdict = (
