@@ -48,14 +48,14 @@ ARMS: dict[str, Arm] = {
 }
 
 
-def second_rate(name: str) -> str:
+def swept_group(name: str) -> str:
     """What an arm with a borrowed heads' rate sweeps beside it: its LoRA's rate, or the pretrained weights'."""
     return "LoRA" if ARMS[name].train == "heads+lora" else "weights"
 
 
 def rate_label(name: str, multiplier: float, heads: float | None) -> str:
     """A run's learning-rate multipliers as the bench's progress names them."""
-    return f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, {second_rate(name)} ×{multiplier:g}"
+    return f"lr ×{multiplier:g}" if heads is None else f"heads ×{heads:g}, {swept_group(name)} ×{multiplier:g}"
 
 
 def parse_arms(names: list[str] | str | None) -> list[str]:

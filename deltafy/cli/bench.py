@@ -6,7 +6,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..bench.arms import ARMS, second_rate
+from ..bench.arms import ARMS, swept_group
 from ..options import BenchOptions
 from ._console import console, err_console, state
 from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
@@ -130,13 +130,13 @@ def _rate(row) -> str:
     edge = "*" if row.lr_at_edge else ""
     if row.heads_lr_multiplier is None:
         return f"{row.lr:.2g} ×{row.lr_multiplier:g}{edge}"
-    other = f"{second_rate(row.arm)} {row.lora_lr:.2g} ×{row.lr_multiplier:g}{edge}"
+    other = f"{swept_group(row.arm)} {row.lora_lr:.2g} ×{row.lr_multiplier:g}{edge}"
     return f"heads {row.lr:.2g} ×{row.heads_lr_multiplier:g}\n{other}"
 
 
 def _print_table(result) -> None:
     from rich import box
-    from rich.measure import Measurement
+    from rich.segment import Segments
     from rich.table import Table
 
     from ..bench.table import ROSE
@@ -168,15 +168,10 @@ def _print_table(result) -> None:
             f"{row.seconds_per_step:.2f}",
             peak,
         )
-    # Off a terminal (a log, a pipe) rich assumes 80 columns and would cut "write-only" to "write-on…" and
-    # wrap every cell: there the table takes the width it needs.
-    width = console.width
-    if not console.is_terminal:
-        console.width = max(width, Measurement.get(console, console.options.update_width(1000), table).maximum)
-    try:
+    if console.is_terminal:
         console.print(table)
-    finally:
-        console.width = width
+    else:  # a log or a pipe: at rich's assumed 80 columns "write-only" would be cut to "write-on…", every cell wrapped
+        console.print(Segments(console.render(table, console.options.update_width(10_000))))
     for c in result.comparisons:
         spread = "" if c.se is None else f" ± {c.se:.4f}"
         verdict = (
