@@ -26,6 +26,7 @@ class EvalResult:
     tokens_per_second: float
     blocks: int
     seq_len: int
+    available_blocks: int | None = None  # the text's blocks before --max-blocks (None: every one was read)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -69,15 +70,22 @@ def check_sizes(seq_len: int, batch_size: int, max_blocks: int | None = None, co
 
 
 def run_settings(source: str, flags: dict | None = None):
-    """How to read text for ``source``: as its own training run did when it is a deltafy folder (its
-    recipe's training section), else as a run would by default; ``flags`` given (not None) win."""
+    """How to read text for ``source``: as its own training run read held-out text when it is a deltafy
+    folder (its recipe's training section: block length, batch, text field; a trained one's run also
+    capped the blocks), else as a run would by default; ``flags`` given (not None) win."""
     from .checkpoint import read_config
+    from .files import METRICS_FILE
     from .options import EvalOptions, options_from
     from .sources.load import is_deltafy_folder
 
     section = None
     if is_deltafy_folder(Path(source).expanduser()):
-        section = (read_config(source)["deltafy"].get("recipe") or {}).get("training")
+        section = dict((read_config(source)["deltafy"].get("recipe") or {}).get("training") or {})
+        # A run measured its "after" on its first max_eval_blocks held-out blocks: eval of its folder does
+        # too. A conversion's section holds the recipe's defaults, and no run: it reads every block, as the
+        # stock model does, so the two stay comparable.
+        if "max_eval_blocks" in section and (Path(source).expanduser() / METRICS_FILE).is_file():
+            section["max_blocks"] = section.pop("max_eval_blocks")
     return options_from(section, EvalOptions, **(flags or {}))
 
 
@@ -149,6 +157,6 @@ def evaluate_text(
 ) -> EvalResult:
     check_sizes(seq_len, batch_size, max_blocks, model.config)  # before the text is read
     blocks = pack(token_stream(data, tokenizer, text_field), seq_len)
-    if max_blocks is not None:
-        blocks = blocks[:max_blocks]
-    return evaluate(model, blocks, batch_size)
+    result = evaluate(model, blocks[:max_blocks], batch_size)
+    result.available_blocks = len(blocks)
+    return result

@@ -283,7 +283,7 @@ class EvalOptions(BaseModel):
 
     seq_len: int = _as_trained("seq_len", "tokens per block, at least 2 and at most the model's positions")
     batch_size: int = _as_trained("batch_size", "blocks per forward, at least 1")
-    max_blocks: int | None = Field(None, description="evaluate at most this many blocks (unset: all of them)")
+    max_blocks: int | None = Field(None, description="evaluate the first N blocks at most (unset: all of them)")
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
 
 

@@ -10,7 +10,7 @@ from ._options import OFF, BaseOpt, DType, DTypeOpt, with_model_options
 
 
 @with_model_options(
-    EvalOptions, source="the run's for a trained folder", sourced={"seq_len", "batch_size", "text_field"}
+    EvalOptions, source="the run's for a trained folder", sourced={"seq_len", "batch_size", "max_blocks", "text_field"}
 )
 def eval_command(
     ctx: typer.Context,
@@ -26,8 +26,9 @@ def eval_command(
 ) -> None:
     """Held-out loss and perplexity of a model on some text.
 
-    A trained deltafy folder is read as its run read text (block length, batch, text field) unless
-    a flag says otherwise.
+    A trained deltafy folder is read as its run read held-out text (block length, batch, text field,
+    the first --max-eval-blocks blocks), so it measures the run's "after" again, unless a flag says
+    otherwise.
 
     [bold]Examples[/]
 
@@ -52,7 +53,10 @@ def eval_command(
     if json_out:
         print(result.to_json())
         return
+    read, every = f"blocks of {result.seq_len}", result.available_blocks
+    if result.blocks < every:  # say so: the text holds more than was read
+        read = f"the first {result.blocks} of {every} {read} (--max-blocks {every} reads all)"
     console.print(
         f"loss {result.loss:.4f} · perplexity {result.perplexity:.2f} · {result.tokens:,} tokens · "
-        f"{result.tokens_per_second:.0f} tok/s · blocks of {result.seq_len}"
+        f"{result.tokens_per_second:.0f} tok/s · {read}"
     )

@@ -20,7 +20,7 @@ from deltafy.bench import ARMS, BENCH_FILE, PLOT_FILE, extended, run_bench
 from deltafy.bench.arms import Budgets, nearest_rank, rate_label
 from deltafy.conversion.job import convert_source
 from deltafy.errors import DeltafyError
-from deltafy.evaluate import evaluate_text, load_any
+from deltafy.evaluate import evaluate_text, load_any, run_settings
 from deltafy.surgery import delta_sites
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
@@ -78,9 +78,12 @@ def test_one_record_per_arm_and_seed_with_every_field(benched):
 
 def test_table_equals_an_independent_evaluation_of_each_saved_model(tiny, benched):
     _, result, _ = benched
-    for record in result.records:
+    for record in result.records:  # read as `deltafy eval PATH --data HELD-OUT` reads it, with no other flag
         model, tokenizer = load_any(record["path"])
-        held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4, max_blocks=4)
+        options = run_settings(record["path"])
+        assert (options.seq_len, options.max_blocks) == (64, 4)  # the run's, which the bench set
+        sizes = dict(seq_len=options.seq_len, batch_size=options.batch_size, max_blocks=options.max_blocks)
+        held = evaluate_text(model, tokenizer, [str(tiny.held_txt)], **sizes)
         assert abs(held.loss - record["loss_after"]) < 1e-4, record["arm"]
     for row in result.rows:
         mine = [r for r in result.records if r["arm"] == row.arm]

@@ -150,24 +150,40 @@ def test_sizes_are_checked_together_and_before_the_text_is_read(tiny):
 def test_a_trained_folder_is_read_as_its_run_read_text(tiny, tmp_path):
     """The run trained on blocks of 24 tokens, and its held-out file is too short for the default
     256: eval and inspect of the output default to the run's own settings, which its saved recipe
-    records (config.json and recipe.yaml), and a flag still wins."""
+    records (config.json and recipe.yaml), and a flag still wins. The run measured its held-out loss
+    on the first 3 blocks, so eval of its folder does too, and gives the run's "after" again (as a
+    bench record's saved model does), saying that the text holds more."""
     import yaml
 
     from deltafy.checkpoint import read_config
+    from deltafy.files import METRICS_FILE
+    from deltafy.training.run_folder import read_metrics, run_summary
 
     short = tmp_path / "short.txt"
     short.write_text(tiny.held_txt.read_text()[:300])  # about 130 tokens: not one block of 256
     train = ["train", tiny.delta, "--data", tiny.train_txt, "--eval-data", short, "--out", tmp_path / "run"]
-    proc = run_cli(*train, "--steps", "2", "--seq-len", "24", "--batch-size", "2", "--save-every", "50", cwd=tmp_path)
+    train += ["--steps", "2", "--seq-len", "24", "--batch-size", "2", "--save-every", "50", "--max-eval-blocks", "3"]
+    proc = run_cli(*train, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     saved = read_config(tmp_path / "run")["deltafy"]["recipe"]["training"]
-    assert (saved["seq_len"], saved["batch_size"], saved["steps"]) == (24, 2, 2)
+    assert (saved["seq_len"], saved["batch_size"], saved["steps"], saved["max_eval_blocks"]) == (24, 2, 2, 3)
     assert "fsdp" not in saved  # how a run was launched is no recipe's business
     assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["training"] == saved
 
     result = json_result(run_cli("eval", tmp_path / "run", "--data", short, "--json", cwd=tmp_path))
     assert result["seq_len"] == 24
-    assert result["blocks"] == result["tokens"] // 23 > 1
+    assert result["blocks"] == result["tokens"] // 23 == 3 < result["available_blocks"]
+    after = run_summary(read_metrics(tmp_path / "run" / METRICS_FILE))["loss_after"]
+    assert result["loss"] == pytest.approx(after, abs=1e-5)
+    every = result["available_blocks"]
+    proc = run_cli("eval", tmp_path / "run", "--data", short, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"the first 3 of {every} blocks of 24 (--max-blocks {every} reads all)" in proc.stdout
+    whole = run_cli("eval", tmp_path / "run", "--data", short, "--max-blocks", every, "--json", cwd=tmp_path)
+    assert json_result(whole)["blocks"] == every
+    # a conversion records no run: it reads every block, as the stock model does
+    fresh = json_result(run_cli("eval", tiny.delta, "--data", short, "--seq-len", "24", "--json", cwd=tmp_path))
+    assert fresh["blocks"] == fresh["available_blocks"] == every
     assert (
         json_result(run_cli("eval", tmp_path / "run", "--data", short, "--seq-len", "12", "--json", cwd=tmp_path))[
             "seq_len"
