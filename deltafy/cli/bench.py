@@ -147,7 +147,8 @@ def _print_table(result) -> None:
         title=f"deltafy bench · {escape(settings['source'])}",
         caption=(
             f"{settings.get('device', 'cpu, fp32')}: {settings['steps']} steps of {settings['batch_size']}×"
-            f"{settings['seq_len']} tokens per arm; lr chosen on "
+            f"{settings['seq_len']} tokens per arm, held-out loss on the first {settings['max_eval_blocks']} blocks of "
+            f"--eval-data; lr chosen on "
             f"a held-out share of --data (* at an end of the sweep); Δ ± standard error over seeds (! a seed rose over "
             f"{ROSE:.0%} above its start); {memory} per run"
             + ("" if result.memory else " (measured on CUDA, or on a CPU with each run in its own process)")

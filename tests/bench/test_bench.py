@@ -448,6 +448,7 @@ def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tin
         assert f"{record['trainable_params']:,}" in proc.stdout
         assert f"{record['loss_after']:.4f}" in proc.stdout
     assert "peak RSS" in proc.stdout and "± —" in proc.stdout
+    assert "held-out loss on the first 4 blocks of --eval-data" in " ".join(proc.stdout.split())  # (the caption wraps)
     heads, lora = state["records"][0]["lr"], state["records"][1]["lora_lr"]
     assert f"heads {heads:.2g} ×1" in proc.stdout and f"LoRA {lora:.2g} ×1" in proc.stdout  # ddl+lora's two rates
     assert (out / PLOT_FILE).is_file()
