@@ -88,7 +88,9 @@ class TrainingDefaults(BaseModel):
     held_out: float = Field(0.05, gt=0.0, lt=1.0, description="fraction of blocks held out without eval data")
     eval_every: PositiveInt = Field(50, description="optimizer steps between held-out evaluations")
     save_every: PositiveInt = Field(100, description="optimizer steps between resumable checkpoints in OUT/training/")
-    max_eval_blocks: PositiveInt = Field(64, description="held-out blocks each evaluation reads, at most")
+    max_eval_blocks: PositiveInt = Field(
+        64, description="held-out blocks each evaluation reads, the first ones (eval of the output reads as many)"
+    )
     seed: int = Field(
         0, ge=0, le=SEED_MAX, description="seed for LoRA init, the data order and the held-out split (0 to 2^32-1)"
     )
