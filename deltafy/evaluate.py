@@ -78,13 +78,13 @@ def run_settings(source: str, flags: dict | None = None):
     from .options import EvalOptions, options_from
     from .sources.load import is_deltafy_folder
 
-    section = None
-    if is_deltafy_folder(Path(source).expanduser()):
+    section, folder = None, Path(source).expanduser()
+    if is_deltafy_folder(folder):
         section = dict((read_config(source)["deltafy"].get("recipe") or {}).get("training") or {})
         # A run measured its "after" on its first max_eval_blocks held-out blocks: eval of its folder does
         # too. A conversion's section holds the recipe's defaults, and no run: it reads every block, as the
         # stock model does, so the two stay comparable.
-        if "max_eval_blocks" in section and (Path(source).expanduser() / METRICS_FILE).is_file():
+        if "max_eval_blocks" in section and (folder / METRICS_FILE).is_file():
             section["max_blocks"] = section.pop("max_eval_blocks")
     return options_from(section, EvalOptions, **(flags or {}))
 
