@@ -134,8 +134,10 @@ def run_bench(
         budgets = Budgets(models, lora_targets)
         report = progress or (lambda done, total, what: None)
         bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend, sweep_seeds)
-        lines = len(_swept(names)) + sum(ARMS[n].heads_lr_from is not None for n in names)  # ddl+lora: two
-        bench.total = len(names) * seeds + (len(lrs) if len(lrs) > 1 else 0) * lines * sweep_seeds
+        # a sweep's points: --lrs for each arm swept, and for one that borrows its heads' rate (ddl+lora) a
+        # second line, whose point at the borrowed rate the first line ran
+        points = len(lrs) * len(_swept(names)) + (len(lrs) - 1) * sum(ARMS[n].heads_lr_from is not None for n in names)
+        bench.total = len(names) * seeds + (points if len(lrs) > 1 else 0) * sweep_seeds
         try:
             with unwinding():
                 for name in names:
@@ -206,6 +208,7 @@ class _Bench:
         self.data, self.eval_data, self.isolate, self.status = list(data), list(eval_data), isolate, status
         self.report, self.lrs, self.extend, self.sweep_seeds = report, lrs, extend, sweep_seeds
         self.trained, self.done, self.total = 0, 0, 0
+        self.visited: set[tuple] = set()  # sweep points this bench has reached: a shared one is one run
         self.chosen: dict[str, tuple[float, float | None]] = {}  # arm: (best multiplier, the heads' one)
         self.edges: dict[str, bool] = {}  # arm: its best is at an end of its sweep
 
@@ -267,18 +270,20 @@ class _Bench:
         if len(self.lrs) == 1:
             self.chosen[name], self.edges[name] = (self.lrs[0], heads), False
             return self.chosen[name]
-        best, edge = self._line(name, lambda m: (m, heads), self.lrs)
+        best, edge = self._line(name, lambda m: (m, heads), self.lrs, len(self.lrs))
         if heads is not None:
-            heads, heads_edge = self._line(name, lambda h: (best, h), sorted({*self.lrs, heads}))
+            heads, heads_edge = self._line(name, lambda h: (best, h), sorted({*self.lrs, heads}), len(self.lrs) - 1)
             edge = edge or heads_edge
         self.chosen[name], self.edges[name] = (best, heads), edge
         return self.chosen[name]
 
-    def _line(self, name: str, point, grid: list[float]) -> tuple[float, bool]:
+    def _line(self, name: str, point, grid: list[float], counted: int) -> tuple[float, bool]:
         """The best value of one rate along ``grid`` with the other held (``point(m)``: the run's
-        multiplier and its heads' one), and whether it is still at an end of the extended grid."""
+        multiplier and its heads' one), and whether it is still at an end of the extended grid.
+        ``counted``: the points the bench's total holds for this line (one more where a borrowed
+        rate is off the grid)."""
         grid = list(grid)
-        self.total += (len(grid) - len(self.lrs)) * self.sweep_seeds  # a borrowed rate off the grid: one more
+        self.total += (sum((name, *point(m)) not in self.visited for m in grid) - counted) * self.sweep_seeds
         for m in grid:
             self._sweep_run(name, *point(m))
         added = 0
@@ -303,6 +308,9 @@ class _Bench:
 
     def _sweep_run(self, name: str, multiplier: float, heads: float | None) -> None:
         """One point of the sweep on each sweep seed, trained unless the bench has its score already."""
+        if (name, multiplier, heads) in self.visited:
+            return
+        self.visited.add((name, multiplier, heads))
         for seed in range(self.sweep_seeds):
             if self._find("sweep", name, lr_multiplier=multiplier, heads_lr_multiplier=heads, seed=seed) is None:
                 rate = rate_label(name, multiplier, heads)

@@ -199,8 +199,13 @@ def test_lora_ranks_match_the_parameter_budgets(tiny, benched, tmp_path):
 
 def test_progress_names_the_arm_and_the_kind_of_run(benched):
     _, _, seen = benched
-    total = len(ARMS_RUN) * (2 + 2) + 2  # ddl+lora's second line: its heads' rate
+    # ddl+lora's second line (its heads' rate) holds one point its first line ran: one run, counted once
+    total = len(ARMS_RUN) * (2 + 2) + 1
     assert {t for _, t, _ in seen} == {total} and seen[-1][0] == total
+    started = {}  # each run's count when it was named (a seed is named again when it is passed)
+    for done, _, what in seen:
+        started.setdefault(what, done)
+    assert sorted(started.values()) == list(range(total + 1)), seen  # none skipped, then "done"
     assert any(what == "lora · sweep lr ×3" for _, _, what in seen)
     assert any(what.startswith("ddl+lora · seed 2 of 2") for _, _, what in seen)
 
