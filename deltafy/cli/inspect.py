@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
-from ..conversion.verify import make_inputs
+from ..conversion.verify import PROMPTS, make_inputs
 from ..surgery import mean_betas
 from ._console import console
 from ._options import OFF, BaseOpt
@@ -116,6 +116,13 @@ def inspect_command(
         betas, tokens = _mean_betas(model, tokenizer), None
     # without a tokenizer the prompts cannot be read: make_inputs draws random token ids instead
     measured_on = "built-in prompts" if tokenizer is not None else "random token ids"
+    text = (
+        f"{tokens:,} tokens of {', '.join(data)}"
+        if data
+        else f"the {len(PROMPTS)} built-in prompts"
+        if tokenizer is not None
+        else measured_on
+    )
     sites = [s["name"] for s in spec["sites"]]
     label = factor_label(spec)  # α·β with a strength gate
     layers = len(model.get_submodule(spec["layers"]))
@@ -124,7 +131,7 @@ def inspect_command(
     ]
     name = model_dir.expanduser().resolve().name
     if plot is not None:
-        plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, title=name, label=label)
+        plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, name, label, text)
     if json_out:
         record = {
             "model": str(model_dir),
@@ -151,12 +158,8 @@ def inspect_command(
             + (f", expanded state of {spec['channels']} channels" if spec.get("channels", 1) > 1 else "")
         )
     )
-    if data:
-        console.print(escape(f"mean {label} on {tokens:,} tokens of {', '.join(data)}"))
-    elif tokenizer is None:
-        console.print(
-            f"mean {label} on {measured_on}: the checkpoint has no tokenizer to read the built-in prompts with"
-        )
+    why = ": the checkpoint has no tokenizer to read the built-in prompts with" if tokenizer is None else ""
+    console.print(escape(f"mean {label} on {text}{why}"))
     table = Table("layer", *[escape(f"{label} {s}") for s in sites], box=None)
     for i, row in enumerate(per_layer):
         table.add_row(str(i), *[f"{row[s]:.3g}" for s in sites])

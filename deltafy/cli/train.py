@@ -117,5 +117,6 @@ def train_command(
         from ..training.plots import factor_label
 
         betas = " ".join(f"{b:.2g}" for b in result.mean_beta_per_layer)
-        console.print(f"mean {factor_label(read_config(result.out)['deltafy'])} per layer: {betas}")
+        on = f" on {result.mean_beta_on}" if result.mean_beta_on else ""
+        console.print(f"mean {factor_label(read_config(result.out)['deltafy'])} per layer{on}: {betas}")
         console.print(f"wrote [bold]{escape(str(result.out))}[/]")

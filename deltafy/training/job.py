@@ -51,6 +51,7 @@ class TrainResult:
     seconds_per_step: float
     trainable_params: int
     mean_beta_per_layer: list[float] = field(default_factory=list)
+    mean_beta_on: str = ""  # the text mean_beta_per_layer was measured on
     out: Path | None = None
     already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
 
@@ -128,6 +129,7 @@ def _finished_result(out: Path, steps: int) -> TrainResult:
         seconds_per_step=0.0,
         trainable_params=0,
         mean_beta_per_layer=summary.get("mean_beta_per_layer", []),
+        mean_beta_on=summary.get("mean_beta_on", ""),
         out=out,
         already_finished=True,
     )
@@ -349,7 +351,7 @@ def _finish(run: _Run, trainer, seconds_per_step: float, status) -> TrainResult:
     status("held-out loss after training")
     # The model as trained (with its LoRA adapters, when it has any): what the run produced.
     result.loss_after = evaluate(trained, run.eval_blocks, options.batch_size).loss
-    betas = site_betas(trained, run.eval_blocks)
+    betas, result.mean_beta_on = site_betas(trained, run.eval_blocks)
     result.mean_beta_per_layer = per_layer(betas)
     append_metrics(
         out,
@@ -358,12 +360,13 @@ def _finish(run: _Run, trainer, seconds_per_step: float, status) -> TrainResult:
             "loss_before": run.before,
             "loss_after": result.loss_after,
             "mean_beta_per_layer": result.mean_beta_per_layer,
+            "mean_beta_on": result.mean_beta_on,
             "steps": result.steps,
         },
     )
     status(f"writing {out}")
     label = factor_label(trained.config.deltafy)
-    figures = write_training_figures(out, betas, label)  # loss.png and beta.png, shown by the card
+    figures = write_training_figures(out, betas, label, result.mean_beta_on)  # loss.png and beta.png, shown by the card
     training = {
         "mode": options.train,
         "steps": result.steps,

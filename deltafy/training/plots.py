@@ -76,13 +76,14 @@ def factor_label(spec: Mapping) -> str:
     return "α·β" if spec.get("gate") == "strength" else "β"
 
 
-def plot_betas(betas: Mapping, path: str | Path, title: str = "", label: str = "β") -> Path:
+def plot_betas(betas: Mapping, path: str | Path, title: str = "", label: str = "β", measured_on: str = "") -> Path:
     """Draw ``beta_figure`` into ``path``."""
-    return _save(beta_figure(betas, title, label), Path(path))
+    return _save(beta_figure(betas, title, label, measured_on), Path(path))
 
 
-def beta_figure(betas: Mapping, title: str = "", label: str = "β"):
-    """Mean ``label`` (β, or α·β) per layer, one line per site, every value drawn with its sign.
+def beta_figure(betas: Mapping, title: str = "", label: str = "β", measured_on: str = ""):
+    """Mean ``label`` (β, or α·β) per layer, one line per site, every value drawn with its sign, over the
+    tokens of ``measured_on`` (a β is a per-token factor: its mean depends on the text), named under the title.
 
     The axis is linear, so that sign and size read directly, unless it would flatten most sites onto the
     zero line (half of them under a twentieth of the largest: a logit gate's 3e-8 beside an opened 0.5);
@@ -108,8 +109,8 @@ def beta_figure(betas: Mapping, title: str = "", label: str = "β"):
     ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
     ax.set_xlabel("layer")
     ax.set_ylabel(f"mean {label}{scale}")
-    heading = f"Mean {label} per layer and site"
-    ax.set_title(f"{heading} · {title}" if title else heading)
+    heading = f"Mean {label} per layer and site" + (f" · {title}" if title else "")
+    ax.set_title(heading + (f"\non {measured_on}" if measured_on else ""))
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(title="site")
     return fig
@@ -143,11 +144,13 @@ def plot_training(metrics_file: str | Path, path: str | Path, title: str = "") -
     return _save(fig, Path(path))
 
 
-def write_training_figures(out: str | Path, betas: Mapping | None = None, label: str = "β") -> list[str]:
+def write_training_figures(
+    out: str | Path, betas: Mapping | None = None, label: str = "β", measured_on: str = ""
+) -> list[str]:
     """Draw a finished run's figures into its folder ``out``: ``loss.png`` from its metrics.jsonl and
-    ``beta.png`` from ``betas`` (``mean_betas``' per-site numbers) or else the summary's mean β per
-    layer. Returns the file names written, for the card. A figure that cannot be drawn is skipped
-    with a warning: it must never cost a trained model."""
+    ``beta.png`` from ``betas`` (``mean_betas``' per-site numbers, measured on ``measured_on``) or else
+    the summary's mean β per layer. Returns the file names written, for the card. A figure that cannot
+    be drawn is skipped with a warning: it must never cost a trained model."""
     out = Path(out)
     title = out.resolve().name
     written = []
@@ -163,11 +166,12 @@ def write_training_figures(out: str | Path, betas: Mapping | None = None, label:
         except DeltafyError as err:
             log.warning("no loss figure: %s", err)
     if betas is None:
-        per_layer = run_summary(records).get("mean_beta_per_layer")
+        summary = run_summary(records)
+        per_layer, measured_on = summary.get("mean_beta_per_layer"), summary.get("mean_beta_on", "")
         betas = {"all sites": per_layer} if per_layer else None
     if betas:
         try:
-            plot_betas(betas, out / BETA_FIGURE, title, label)
+            plot_betas(betas, out / BETA_FIGURE, title, label, measured_on)
             written.append(BETA_FIGURE)
         except DeltafyError as err:
             log.warning("no β figure: %s", err)

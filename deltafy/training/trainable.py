@@ -144,11 +144,17 @@ def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
     return model.unload()
 
 
-def site_betas(model, blocks: torch.Tensor) -> dict[str, float]:
-    """Mean beta per site (qualified name) on a few blocks."""
+BETA_BLOCKS = 4  # the held-out blocks a run's mean betas are measured on
+
+
+def site_betas(model, blocks: torch.Tensor) -> tuple[dict[str, float], str]:
+    """Mean beta per site (qualified name) on the first held-out blocks, and what it was measured on (the
+    figure and the printed line say it: a beta is a per-token factor, its mean depends on the text)."""
+    blocks = blocks[:BETA_BLOCKS]
     model.eval()
     with torch.no_grad():
-        return mean_betas(model, lambda: model(input_ids=blocks[:4].to(next(model.parameters()).device)))
+        betas = mean_betas(model, lambda: model(input_ids=blocks.to(next(model.parameters()).device)))
+    return betas, f"the first {len(blocks)} held-out blocks of {blocks.shape[-1]} tokens"
 
 
 def per_layer(betas: dict[str, float]) -> list[float]:

@@ -211,8 +211,11 @@ def test_a_short_runs_alpha_beta_is_drawn_on_a_linear_axis():
     four decades, and crowded the labels around 0); on a linear axis every marker lies inside the frame."""
     attn = [0.047, -0.081, -0.077, -0.028, -0.073, 0.0092, 0.021, -0.07, -0.03, 0.03, -0.012, -0.015, 0.066]
     mlp = [0.077, -0.031, -0.082, 0.039, -0.031, 0.013, 0.01, 0.011, 0.0066, -0.032, 0.029, -0.033, -0.00059]
-    ax = beta_figure({"attn": attn, "mlp": mlp}, "smol-trained", label="α·β").axes[0]
+    on = "the first 4 held-out blocks of 128 tokens"
+    ax = beta_figure({"attn": attn, "mlp": mlp}, "smol-trained", label="α·β", measured_on=on).axes[0]
     assert ax.get_yscale() == "linear" and "log" not in ax.get_ylabel()
+    # the text the means are over, under the title: a β is per token, its mean depends on the text
+    assert ax.get_title() == f"Mean α·β per layer and site · smol-trained\non {on}"
     low, high = ax.get_ylim()
     assert low < min(attn + mlp) and high > max(attn + mlp)
     # a logit gate's 3e-8 beside opened sites: logarithmic, linear within a power of ten
@@ -223,7 +226,15 @@ def test_a_short_runs_alpha_beta_is_drawn_on_a_linear_axis():
 def test_training_figures_from_a_runs_metrics(tmp_path):
     records = [{"loss": 5 - math.log(step), "step": step, "learning_rate": 1e-3} for step in range(1, 31)]
     records += [{"eval_loss": 5.1 - math.log(step) / 2, "step": step} for step in (10, 20, 30)]
-    records.append({"event": "summary", "loss_before": 5.2, "loss_after": 3.6, "mean_beta_per_layer": [1e-4, 3e-3]})
+    records.append(
+        {
+            "event": "summary",
+            "loss_before": 5.2,
+            "loss_after": 3.6,
+            "mean_beta_per_layer": [1e-4, 3e-3],
+            "mean_beta_on": "the first 4 held-out blocks of 64 tokens",
+        }
+    )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert write_training_figures(tmp_path) == ["loss.png", "beta.png"]
     assert_image(tmp_path / "loss.png")

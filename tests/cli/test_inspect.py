@@ -39,6 +39,7 @@ def test_json_holds_the_tables_numbers_and_plot_draws_them(opened, tmp_path):
     env = {"DELTAFY_CACHE": str(cache)}
     table = cli("inspect", model, cwd=tmp_path, env=env)
     assert table.returncode == 0, table.stderr
+    assert "mean α·β on the 4 built-in prompts\n" in table.stdout  # what the means are over
     shown = cli("inspect", model, "--json", "--plot", "figures/beta.png", cwd=tmp_path, env=env)
     assert shown.returncode == 0, shown.stderr
     record = json.loads(shown.stdout)  # the whole of stdout is one JSON object

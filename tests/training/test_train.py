@@ -28,12 +28,15 @@ from helpers.training import (
 from pydantic import ValidationError
 
 import deltafy
+from deltafy.data import pack, token_stream
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
 from deltafy.options import TrainOptions, load_recipe, options_from
 from deltafy.sources.folders import file_mode
+from deltafy.surgery import mean_betas
 from deltafy.training.job import run_training
 from deltafy.training.launch import planned_steps
+from deltafy.training.trainable import per_layer
 
 HEAD_LR = 0.05  # large enough that the heads move the loss within a few steps (gate and strength lr = 0.5)
 
@@ -156,7 +159,7 @@ def test_trained_folder_loads_with_deltafy_and_with_transformers(tiny, heads_run
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=0)
 
 
-def test_metrics_jsonl_has_every_step_and_a_summary(heads_run):
+def test_metrics_jsonl_has_every_step_and_a_summary(tiny, heads_run):
     out, result, _ = heads_run
     records = read_metrics(out)
     steps = step_records(records)
@@ -174,6 +177,13 @@ def test_metrics_jsonl_has_every_step_and_a_summary(heads_run):
     betas = summary["mean_beta_per_layer"]
     # alpha * beta per layer (gate: strength): zero at init, moved by training, unbounded in sign
     assert len(betas) == 2 and all(math.isfinite(b) and abs(b) > 1e-4 for b in betas)
+    # measured on the text it names (beta.png's subtitle, the printed line): the saved model gives them there again
+    assert summary["mean_beta_on"] == result.mean_beta_on == "the first 4 held-out blocks of 64 tokens"
+    model = deltafy.load(out, dtype=torch.float32)
+    blocks = pack(token_stream([str(tiny.held_txt)], deltafy.load_tokenizer(out), use_cache=False), 64)[:4]
+    with torch.no_grad():
+        again = mean_betas(model, lambda: model(input_ids=blocks))
+    assert per_layer(again) == pytest.approx(betas, rel=1e-5)
     # Apart from the per-step records and the summary, only the Trainer's end-of-run record and
     # the periodic held-out evaluations (--eval-every).
     others = [r for r in records if r not in steps and r is not summary]
@@ -463,8 +473,6 @@ def test_planned_steps():
 
 
 def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
-    from deltafy.data import token_stream
-
     recipe = tmp_path / "short.yaml"
     recipe.write_text(
         "name: short\nsites: [attn, mlp]\n"
@@ -488,6 +496,9 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     # deltafy's lines only: no library's start-up warning (DeepSpeed's "Setting accelerator to CPU",
     # imported by the Trainer) and no third-party progress bar
     assert [line.split(" ", 1)[0] for line in proc.stdout.splitlines()] == ["held-out", "mean", "wrote"], proc.stdout
+    # the line says what the betas were measured on: the held-out blocks, at the recipe's length
+    held_blocks = len(pack(token_stream([str(held), str(held_too)], tiny.tokenizer, use_cache=False), 32))
+    assert f"mean α·β per layer on the first {min(held_blocks, 4)} held-out blocks of 32 tokens: " in proc.stdout
     assert all(line.startswith("train: ") for line in proc.stderr.splitlines()), proc.stderr
     record = json.loads((out / "training" / "run.json").read_text())
     assert record["eval_sources"] == [str(held), str(held_too)] and record["data_sources"] == [str(tiny.train_txt)]
