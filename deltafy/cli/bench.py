@@ -124,6 +124,13 @@ class _Bar:
             err_console.print(escape(line), highlight=False, soft_wrap=True)
 
 
+def _nats(value: float, signed: bool = False) -> str:
+    """A loss difference to 4 decimals, as every loss in the table; one too small for them (a tiny model's)
+    in two significant digits, not as a 0.0000 that reads as no difference at all."""
+    digits = ".1e" if 0 < abs(value) < 5e-5 else ".4f"
+    return format(value, ("+" if signed else "") + digits)
+
+
 def _rate(row) -> str:
     """The learning rate and its multiplier; the heads' and the other group's (LoRA or the weights) apart where
     they were chosen apart."""
@@ -158,13 +165,13 @@ def _print_table(result) -> None:
     for name in ("arm", "trainable", "held-out before → after", "Δ nats", "lr", "s/step", memory):
         table.add_column(name, justify="left" if name == "arm" else "right")
     for row in result.rows:
-        se = "—" if row.delta_se is None else f"{row.delta_se:.4f}"
+        se = "—" if row.delta_se is None else _nats(row.delta_se)
         peak = "—" if row.peak_memory_bytes is None else f"{row.peak_memory_bytes / 2**20:,.0f} MiB"
         table.add_row(
             row.arm,
             f"{row.trainable_params:,}" + (f" r={row.lora_r}" if row.lora_r else ""),
             f"{row.loss_before:.4f} → {row.loss_after:.4f}",
-            f"{row.delta:+.4f} ± {se}" + ("!" if row.rose_above_start else ""),
+            f"{_nats(row.delta, signed=True)} ± {se}" + ("!" if row.rose_above_start else ""),
             _rate(row),
             f"{row.seconds_per_step:.2f}",
             peak,
@@ -174,14 +181,14 @@ def _print_table(result) -> None:
     else:  # a log or a pipe: at rich's assumed 80 columns "write-only" would be cut to "write-on…", every cell wrapped
         console.print(Segments(console.render(table, console.options.update_width(10_000))))
     for c in result.comparisons:
-        spread = "" if c.se is None else f" ± {c.se:.4f}"
+        spread = "" if c.se is None else f" ± {_nats(c.se)}"
         verdict = (
             "one seed: no standard error" if c.se is None else "beyond 2 s.e." if c.beyond_2se else "within 2 s.e."
         )
-        better = c.arm if c.difference < 0 else c.against
+        better = c.arm if c.difference < 0 else c.against if c.difference > 0 else "neither (equal)"
         console.print(
-            f"{c.question}: {c.arm} − {c.against} = {c.difference:+.4f}{spread} nats over {c.seeds} seed(s) "
-            f"({verdict}); lower: {better}"
+            f"{c.question}: {c.arm} − {c.against} = {_nats(c.difference, signed=True)}{spread} nats over "
+            f"{c.seeds} seed(s) ({verdict}); lower: {better}"
         )
     edges = [row.arm for row in result.rows if row.lr_at_edge]
     if edges:

@@ -351,7 +351,7 @@ def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, m
 
     from deltafy.bench.table import row_of
     from deltafy.cli._console import console
-    from deltafy.cli.bench import _print_table
+    from deltafy.cli.bench import _nats, _print_table
 
     _, result, _ = benched
     records = [r for r in result.records if r["arm"] == "heads"]
@@ -367,7 +367,7 @@ def test_a_seed_worse_than_the_untrained_model_is_marked_in_the_table(benched, m
     with console.capture() as captured:
         _print_table(replace(result, rows=[row]))
     text = captured.get()
-    assert f"{row.delta:+.4f} ± {row.delta_se:.4f}!" in text
+    assert f"{_nats(row.delta, signed=True)} ± {_nats(row.delta_se)}!" in text  # (the mark after the figure)
     assert "note: the held-out loss of heads rose over 1% above where it started (seed-1 at step 1)" in text
 
 
@@ -587,6 +587,9 @@ def test_the_table_prints_each_comparison_plainly(benched, monkeypatch):
     paired = [
         Comparison("heads", "write-only", "the erase term", 3, -0.0123, 0.004, True),
         Comparison("ddl+full", "full", "everything trained", 1, 0.02, None, False),
+        # a tiny model's gaps: too small for 4 decimals, shown in two significant digits, not as +0.0000 ± 0.0000
+        Comparison("heads", "logit", "the gate", 2, 2.1e-5, 3e-6, True),
+        Comparison("heads", "expanded", "the expanded state", 2, 0.0, 0.0, False),
     ]
     monkeypatch.setattr(console, "width", 250)
     with console.capture() as captured:
@@ -600,3 +603,5 @@ def test_the_table_prints_each_comparison_plainly(benched, monkeypatch):
         "everything trained: ddl+full − full = +0.0200 nats over 1 seed(s) (one seed: no standard error); lower: full"
         in text
     )
+    assert "the gate: heads − logit = +2.1e-05 ± 3.0e-06 nats over 2 seed(s) (beyond 2 s.e.); lower: logit" in text
+    assert "heads − expanded = +0.0000 ± 0.0000 nats over 2 seed(s) (within 2 s.e.); lower: neither (equal)" in text
