@@ -54,7 +54,8 @@ class TrainingDefaults(BaseModel):
     gate_lr_scale: PositiveFloat = Field(
         100.0,
         description="the gate's learning rate is lr * gate_lr_scale: Adam moves a parameter about "
-        "lr per step, and a gate initialized at a logit of -18 must travel ~10 logits to open",
+        "lr per step, and a logit gate starting at -18 must travel ~10 logits to open (100 in its recipe; 10 in "
+        "the strength recipes, whose gate starts open)",
     )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     steps: PositiveInt | None = Field(None, description="optimizer steps; 200 if neither steps nor tokens is set")
