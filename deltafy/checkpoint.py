@@ -19,13 +19,12 @@ import torch
 from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError, first_line
-from .files import CARD_FILE, MODELING_FILE, RECIPE_FILE
+from .files import CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
-from .modeling_deltafy import HEADS_FILE
 from .options import Recipe
 from .placement import AUTO, auto_device_map
 from .quiet import quiet_transformers
-from .sources.folders import _atomic_dir
+from .sources.folders import atomic_dir
 from .sources.load import NO_REMOTE_CODE
 from .surgery import delta_tensors
 
@@ -108,7 +107,7 @@ def save(
         spec["base"] = base_record(model, base, out, provenance)
     tensors_written = delta_tensors(model).values() if heads_only else model.state_dict().values()
     need = sum(t.numel() * t.element_size() for t in tensors_written)  # for the message of a full disk
-    with _atomic_dir(out, overwrite or into, merge=into, need=need) as tmp:
+    with atomic_dir(out, overwrite or into, merge=into, need=need) as tmp:
         # Tensors keep the names the model has in memory: transformers would otherwise apply the base
         # class's reverse key mapping (gpt_neox lm_head -> embed_out, MoE experts unpacked), which
         # nothing maps back when the checkpoint is loaded as a deltafy class.
@@ -123,7 +122,7 @@ def save(
                 model.save_pretrained(
                     tmp, max_shard_size=max_shard_size, safe_serialization=True, save_original_format=False
                 )
-        config = json.loads((tmp / "config.json").read_text())
+        config = json.loads((tmp / CONFIG_FILE).read_text())
         for key in ("auto_map", "deltafy"):
             config.pop(key, None)
         config.update(
@@ -138,7 +137,7 @@ def save(
                 "deltafy": {**spec, "base_architecture": base_model_class.__name__, "provenance": provenance},
             }
         )
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / MODELING_FILE).write_text(modeling_source(base_config_class, base_model_class, bare_model_class))
         (tmp / RECIPE_FILE).write_text(Recipe.model_validate(spec["recipe"]).to_yaml())
         if tokenizer is not None:

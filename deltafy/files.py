@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatch
 
-from .modeling_deltafy import HEADS_FILE
+from .modeling_deltafy import HEADS_FILE  # (a heads-only checkpoint loads it, so the shipped file names it)
 
 # -- a checkpoint folder (deltafy.save)
 CONFIG_FILE = "config.json"

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from .checkpoint import read_config
 from .errors import DeltafyError, first_line
-from .files import CARD_FILE, LOCK_FILE, MODELING_FILE, STATE_DIR
-from .modeling_deltafy import HEADS_FILE  # the weights of a heads-only (delta) folder
+from .files import CARD_FILE, HEADS_FILE, LOCK_FILE, MODELING_FILE, STATE_DIR
 
 LOCK_PATTERNS = [LOCK_FILE, f"*/{LOCK_FILE}", "*.lock"]
 TRAINING_PATTERNS = [STATE_DIR, f"{STATE_DIR}/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]

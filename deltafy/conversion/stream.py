@@ -28,7 +28,7 @@ from ..checkpoint import head_tensors
 from ..errors import DeltafyError
 from ..options import Recipe
 from ..sources.folders import size
-from ..sources.load import NO_REMOTE_CODE, _dtype, load_config, local_provenance, source_tokenizer
+from ..sources.load import NO_REMOTE_CODE, load_config, local_provenance, resolve_dtype, source_tokenizer
 from ..sources.shards import INDEX_FILE, Entry, read_header, read_tensor, weight_files, write_file
 from ..surgery import convert
 
@@ -97,7 +97,7 @@ def plan_stream(folder: Path, recipe: Recipe, dtype: str = "auto") -> StreamPlan
     if files is None:
         return "its weights are not safetensors files"
     config = load_config(str(folder), str(folder), local_files_only=True)
-    target = _dtype(dtype, config)
+    target = resolve_dtype(dtype, config)
     entries: dict[str, Entry] = {}
     for file in files:
         try:

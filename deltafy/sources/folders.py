@@ -18,8 +18,7 @@ from pathlib import Path
 
 from .. import interrupts
 from ..errors import DeltafyError, first_line
-from ..files import LOCK_FILE, RECORD_FILE, STATE_DIR, owned
-from ..modeling_deltafy import HEADS_FILE
+from ..files import HEADS_FILE, LOCK_FILE, RECORD_FILE, STATE_DIR, owned
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ def _running(pid: int) -> bool:
 
 
 def clear_leftovers(out: Path) -> None:
-    """Remove what a killed save left beside ``out`` (``_atomic_dir``'s temporary folders), so that
+    """Remove what a killed save left beside ``out`` (``atomic_dir``'s temporary folders), so that
     nothing model-sized stays hidden there; refuse while the process that made them still runs.
 
     A save that was killed between its two renames left ``out`` missing and the previous ``out``
@@ -201,7 +200,7 @@ def size(nbytes: float) -> str:
 
 
 @contextmanager
-def _atomic_dir(out: Path, overwrite: bool, merge: bool = False, need: int | None = None):
+def atomic_dir(out: Path, overwrite: bool, merge: bool = False, need: int | None = None):
     """Yield a temporary sibling folder; on success it replaces ``out`` (or, with ``merge``, its
     files move into ``out``); on any failure it is removed. ``need``: about how many bytes the
     output takes, for the message of a full disk."""

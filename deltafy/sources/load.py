@@ -113,7 +113,8 @@ def resolve_alias(name: str) -> Path:
     raise DeltafyError(f"the {package} package is installed but {filename} is missing; reinstall it")
 
 
-def _dtype(dtype: str, config) -> torch.dtype:
+def resolve_dtype(dtype: str, config) -> torch.dtype:
+    """The torch dtype of a --dtype choice; "auto": the one the config records (fp32 if none)."""
     if dtype == "auto":
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(stored, str):
@@ -189,7 +190,7 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
 
     with quiet_transformers():
         config = load_config(location, what, **kwargs)
-        torch_dtype = _dtype(dtype, config)
+        torch_dtype = resolve_dtype(dtype, config)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 location, dtype=torch_dtype, output_loading_info=True, **NO_REMOTE_CODE, **kwargs
@@ -215,7 +216,7 @@ def check_finite(model, what: str, config) -> None:
     wider dtype, that is a cast that overflowed: float16 holds at most ±65504."""
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            stored = _dtype("auto", config)
+            stored = resolve_dtype("auto", config)
             if tensor.dtype == torch.float16 and stored != torch.float16:
                 raise DeltafyError(
                     f"{name} of {what} does not fit in float16 (it holds values beyond ±65504 in "
@@ -314,7 +315,7 @@ def load_gguf(source: str, dtype: str) -> Source:
         path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
         model = _read_gguf(path, lambda: dequantize_whole(path))
         tok = _read_gguf(path, lambda: gguf_tokenizer(path))
-        loaded = Source(model.to(_dtype(dtype, model.config)).eval(), tok)
+        loaded = Source(model.to(resolve_dtype(dtype, model.config)).eval(), tok)
         check_finite(loaded.model, source, model.config)
     else:
         loaded = _load_pretrained(str(cached), source, dtype if dtype != "auto" else "float32", local_files_only=True)

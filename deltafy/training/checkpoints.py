@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError
-from ..files import STAGING_DIR
-from ..modeling_deltafy import HEADS_FILE  # also the trained heads in a checkpoint (save_trainable)
+from ..files import HEADS_FILE, STAGING_DIR  # HEADS_FILE: also the trained heads in a checkpoint (save_trainable)
 from ..sources.folders import readable
 from .launch import is_main_process
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError
-from ..files import ADAPTER_DIR, METRICS_FILE, STATE_DIR
+from ..files import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import LaunchOptions, TrainOptions
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of, write_failure
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
@@ -200,7 +200,7 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
                 notice(f"resuming with {change}")
         trained = step_of(checkpoint)
         if trained >= steps:
-            if (out / "config.json").is_file():
+            if (out / CONFIG_FILE).is_file():
                 # Not an error: a job restarted after it finished (a preemptible queue) must succeed.
                 notice(
                     f"nothing to train: the run in {out} already trained {trained} of {steps} steps and wrote its "
