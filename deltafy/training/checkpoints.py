@@ -210,6 +210,21 @@ def atomic_trainer():
                 model, self.accelerator.unwrap_model(model), Path(resume_from_checkpoint), self.is_fsdp_enabled
             )
 
+        def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            # The optimizer comes back at the rate the saved schedule gave its last step. A resume that changed
+            # --steps or --tokens has a schedule of another length: the next step takes that one's rate (else a
+            # finished cosine run extended would train its first added step at 0).
+            scheduler = self.lr_scheduler
+            if checkpoint is not None and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                rates = [
+                    base * rate(scheduler.last_epoch)
+                    for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+                ]
+                for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+                    group["lr"] = lr
+                scheduler._last_lr = rates  # what it reports (the logged lr), as torch's own step() sets it
+
         def _issue_warnings_after_load(self, load_result) -> None:
             # Tied weights (lm_head sharing the embedding) are saved once: their absence from a
             # checkpoint is expected, not the "missing keys" alarm transformers would print.

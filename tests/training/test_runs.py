@@ -207,6 +207,13 @@ def test_resume_of_a_finished_run_trains_nothing_and_more_steps_continue(tiny, f
     assert notices == ["resuming with --eval-every 50 → 5", "resuming with --steps 2 → 3"]
     assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-3"]
     deltafy.load(out)
+    # The added step trains at the new schedule's rate for it, as a straight 3-step run's third step does, not
+    # at the rate the old 2-step schedule had decayed to (0: the step would change nothing)
+    straight = train(tiny, tmp_path / "straight", steps=3).out
+    rates = [[r["learning_rate"] for r in step_records(read_metrics(run))] for run in (out, straight)]
+    assert rates[0][2] > 0 and rates[0][2] == pytest.approx(rates[1][2], rel=1e-6)
+    kept, third = (read_tensors(out / "training" / f"checkpoint-{step}") for step in (2, 3))
+    assert any(not kept[key].equal(third[key]) for key in kept), "the added step changed nothing"
 
 
 def test_resume_of_a_run_whose_model_was_not_written_writes_it(tiny, finished, tmp_path):
