@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import DeltafyError
+from ..errors import DeltafyError, Interrupted
 from .arms import ARMS, Budgets, needed, parse_arms, rate_label, recipes_for
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
@@ -101,6 +101,7 @@ def run_bench(
         compare(saved["settings"], settings, out)
     isolate = not _cuda() if isolate is None else isolate
 
+    from .. import interrupts
     from ..interrupts import unwinding
     from ..training.run_folder import RunLock
 
@@ -136,9 +137,10 @@ def run_bench(
                     bench.arm(name, seeds)
         except KeyboardInterrupt:
             done = len(state["sweep"]) + len(state["records"])
-            raise DeltafyError(
+            raise Interrupted(
                 f"interrupted; the {done} runs the bench finished are kept in {out / BENCH_FILE}: continue with "
-                f"the same command plus --resume"
+                f"the same command plus --resume",
+                interrupts.received,
             ) from None
         report(bench.total, bench.total, "done")
         return bench.result(names, seeds)

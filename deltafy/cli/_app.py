@@ -8,7 +8,8 @@ import click
 import typer
 from rich.markup import escape
 
-from ..errors import DeltafyError, first_line
+from .. import interrupts
+from ..errors import DeltafyError, Interrupted, first_line
 from ._console import console, err_console, state
 from .bench import bench_command
 from .cache import cache_app
@@ -74,7 +75,7 @@ def run(args: list[str]) -> None:
             raise
         # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
         err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        sys.exit(err.exit_code if isinstance(err, Interrupted) else 1)
     except _EXITS as err:
         sys.exit(err.exit_code)
     except _CLICK_ERRORS as err:
@@ -107,10 +108,8 @@ def run(args: list[str]) -> None:
 def _by_the_interrupt(err: Exception) -> bool:
     """Whether ``err`` is what a Ctrl-C or SIGTERM became on its way up: a library that catches every
     exception turns the KeyboardInterrupt into one of its own (transformers' lazy imports raise
-    "Could not import module 'LlamaConfig'"). deltafy's own reports of an interrupt say so."""
-    from .. import interrupts
-
-    return interrupts.received is not None and "interrupted" not in str(err)
+    "Could not import module 'LlamaConfig'"). deltafy's own reports of an interrupt are Interrupted."""
+    return interrupts.received is not None and not isinstance(err, Interrupted)
 
 
 __all__ = ["app", "run", "console"]

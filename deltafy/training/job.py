@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DeltafyError
+from .. import interrupts
+from ..errors import DeltafyError, Interrupted
 from ..files import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import LaunchOptions, TrainOptions
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of, write_failure
@@ -303,8 +304,9 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
         except KeyboardInterrupt:  # a second signal: the user's doing, not a failure (from None below)
             last, _ = newest_complete(state_dir)
             kept = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
-            raise DeltafyError(
-                f"interrupted twice at step {trainer.state.global_step}: stopped at once without saving; {kept}"
+            raise Interrupted(
+                f"interrupted twice at step {trainer.state.global_step}: stopped at once without saving; {kept}",
+                interrupts.received,
             ) from None
         finally:
             stop.training = False
@@ -319,9 +321,10 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
         )
     if stop.signal is not None and trainer.state.global_step < steps:
         name = signal.Signals(stop.signal).name
-        raise DeltafyError(
+        raise Interrupted(
             f"interrupted at step {trainer.state.global_step} by {name}; a checkpoint was saved in "
-            f"{state_dir / f'checkpoint-{trainer.state.global_step}'}: continue with the same command plus --resume"
+            f"{state_dir / f'checkpoint-{trainer.state.global_step}'}: continue with the same command plus --resume",
+            stop.signal,
         )
     return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
 
