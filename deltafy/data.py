@@ -133,7 +133,12 @@ def _load_dataset(source: str):
         if Path(source).is_dir():
             data = datasets.load_from_disk(source)
         else:
+            from .sources.load import hub_revision
+
+            hub_revision(source, f"the dataset {source}", repo_type="dataset")  # no Hub, nothing cached: say so now
             data = datasets.load_dataset(source, split="train")
+    except DeltafyError:
+        raise
     except Exception as err:
         raise DeltafyError(f"could not load dataset {source}: {first_line(err)}") from err
     if isinstance(data, datasets.DatasetDict):

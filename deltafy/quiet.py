@@ -1,6 +1,7 @@
 """Third-party output kept out of deltafy's: transformers' logs and progress bars around a library
 call, and, for the command line, the start-up chatter of the libraries a run imports (DeepSpeed's
-"Setting accelerator to CPU" on every ``deltafy train``). ``--debug`` shows all of it."""
+"Setting accelerator to CPU" on every ``deltafy train``, huggingface_hub's retries of an unreachable Hub).
+``--debug`` shows all of it."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def quiet_third_parties() -> None:
     warnings of ``_CHATTY`` loggers dropped. Standard library only: it runs before the commands'
     imports, as early in start-up as the interrupt handlers."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # read once, by tqdm's import: call this before it
+    # huggingface_hub's warnings, e.g. a line for each retry of an unreachable Hub before deltafy's own
+    # one-line error; read once, by its import (a user's own setting stays)
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
     for name in _CHATTY:
         logger = logging.getLogger(name)
         if _below_error not in logger.filters:

@@ -164,6 +164,20 @@ def _unreachable(what: str, err: BaseException) -> DeltafyError:
     )
 
 
+def hub_revision(repo_id: str, what: str, repo_type: str = "model"):
+    """The commit ``repo_id``'s main branch is at, in one request (from the local cache when offline or when
+    the Hub does not answer); a DeltafyError when neither knows it, where a download would first retry for
+    half a minute."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RevisionResolutionError
+    from transformers.utils.hub import is_offline_mode
+
+    try:
+        return HfApi().resolve_revision(repo_id, repo_type=repo_type, local_files_only=is_offline_mode())
+    except RevisionResolutionError as err:
+        raise _unreachable(what, err) from err
+
+
 def load_config(location: str, what: str, **kwargs):
     """The config of a model to convert, checked to be a supported family (no weights are read)."""
     from transformers import AutoConfig
@@ -364,11 +378,9 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         return loaded
     if not is_hub_id(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")
-    from transformers.utils.hub import resolve_revision
-
     # The commit "main" is now, resolved once: every file of the load comes from it, and a heads-only
     # checkpoint pins it (transformers 5 no longer records it on the config).
-    resolved = resolve_revision(source, None)
+    resolved = hub_revision(source, f"{source!r}")
     loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False, revision=resolved)
     revision = getattr(resolved, "resolved", None) or getattr(loaded.model.config, "_commit_hash", None)
     loaded.provenance = _with_license(

@@ -272,6 +272,37 @@ def test_convert_streams_a_hub_model_from_the_cache(hub, made, tmp_path):
         assert a[0] == b[0] and torch.equal(a[1], b[1])
 
 
+def test_a_hub_model_that_cannot_be_reached_is_one_line_after_one_request(hub, monkeypatch, tmp_path):
+    """No network and nothing cached: load_source (convert in memory, eval, bench) says so after the one request
+    that resolves the revision, where transformers' own loading retried the download for half a minute."""
+    from deltafy.conversion.job import convert_source
+
+    asked = []
+
+    def unreachable(request):
+        if not request.url.path.endswith("-harnesses"):  # (huggingface_hub's daily telemetry fetch, as above)
+            asked.append(request.url.path)
+        raise httpx2.ConnectError("[Errno -2] Name or service not known", request=request)
+
+    transport = httpx2.MockTransport(unreachable)
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=transport))
+    with pytest.raises(deltafy.DeltafyError) as err:
+        convert_source(BASE, tmp_path / "delta", streaming=False)
+    line = str(err.value)
+    assert line.startswith(f"could not fetch {BASE!r} from the Hugging Face Hub") and "\n" not in line
+    assert "could not be reached" in line and "check the id and your connection" in line
+    assert asked == [f"/api/models/{BASE}"]  # the revision, once: no retried download
+    assert not (tmp_path / "delta").exists()
+    # a Hub dataset given to --data (train, eval, bench): the same, where `datasets` retried too
+    from deltafy.data import _load_dataset
+
+    asked.clear()
+    with pytest.raises(deltafy.DeltafyError) as err:
+        _load_dataset("someone/corpus")
+    assert str(err.value).startswith("could not fetch the dataset someone/corpus from the Hugging Face Hub")
+    assert asked == ["/api/datasets/someone/corpus"]
+
+
 OFFLINE = "is not in the local Hugging Face cache and the Hub is offline"
 PASS_BASE = "or pass its local folder with --base PATH (deltafy_base=PATH in Python)"
 
