@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 
 @contextlib.contextmanager
@@ -45,6 +46,8 @@ def quiet_third_parties() -> None:
     # huggingface_hub's warnings, e.g. a line for each retry of an unreachable Hub before deltafy's own
     # one-line error; read once, by its import (a user's own setting stays)
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    # a library's deprecation notice is for the code that calls it, not for someone running a command
+    warnings.filterwarnings("ignore", category=FutureWarning)
     for name in _CHATTY:
         logger = logging.getLogger(name)
         if _below_error not in logger.filters:

@@ -108,10 +108,10 @@ def train_command(
     if result.already_finished:  # said so through notice: nothing was trained or written
         return
     if result.loss_after == result.loss_after:  # not NaN: this is the process that evaluated
-        delta = result.loss_after - result.loss_before
+        delta, steps = result.loss_after - result.loss_before, f"{result.steps} step{'s' * (result.steps != 1)}"
         console.print(
             f"held-out loss {result.loss_before:.4f} → {result.loss_after:.4f} ({delta:+.4f} nats) after "
-            f"{result.steps} steps, {result.seconds_per_step:.2f} s/step, {result.trainable_params:,} trained"
+            f"{steps}, {result.seconds_per_step:.2f} s/step, {result.trainable_params:,} trained"
         )
         from ..checkpoint import read_config
         from ..training.plots import factor_label

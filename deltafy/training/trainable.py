@@ -3,6 +3,7 @@ LoRA adapters from peft, or everything; and the plain model back after LoRA trai
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -102,7 +103,9 @@ def _adapted(model, config, defaults, what: str):
 
     _refuse_site_modules(model, config, defaults)
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads the attribute transformers 5 deprecated: nothing to act on
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as err:
         raise DeltafyError(f"{what}: {first_line(err)} (check --lora-targets)") from err
 
@@ -154,7 +157,8 @@ def site_betas(model, blocks: torch.Tensor) -> tuple[dict[str, float], str]:
     model.eval()
     with torch.no_grad():
         betas = mean_betas(model, lambda: model(input_ids=blocks.to(next(model.parameters()).device)))
-    return betas, f"the first {len(blocks)} held-out blocks of {blocks.shape[-1]} tokens"
+    first = "the first held-out block" if len(blocks) == 1 else f"the first {len(blocks)} held-out blocks"
+    return betas, f"{first} of {blocks.shape[-1]} tokens"
 
 
 def per_layer(betas: dict[str, float]) -> list[float]:
