@@ -17,6 +17,9 @@ state = SimpleNamespace(debug=False, argv=[], kept=None)
 def spinner_status(on: Console) -> Iterator[Callable[[str], None]]:
     """A spinner whose messages are shown as written: they name the user's paths and models,
     which rich would otherwise read as markup ("runs/a[/]b" is a markup error, "[draft]" a tag)."""
+    if not on.is_terminal:  # a pipe or a log: nothing to animate, and rich's live display would leave an empty line
+        yield lambda message: None
+        return
     with on.status("") as spinner:
         yield lambda message: spinner.update(escape(message) + " …")
 
@@ -27,6 +30,9 @@ def activity(on: Console) -> Iterator[tuple[Callable[[str], None], Callable[[str
     progress (bytes written, layers checked): ``progress(what, advance, total)``."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
+    if not on.is_terminal:  # as spinner_status
+        yield (lambda message: None), (lambda what, advance, total: None)
+        return
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),

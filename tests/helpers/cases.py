@@ -159,6 +159,7 @@ def assert_case(case: Case, result: Result) -> None:
         assert len(lines) == 1, f"expected one line on stderr\n{shown}"
         first = lines[0]
         assert first.startswith("error: "), shown
+        assert not proc.stderr.startswith("\n") and "\n\n" not in proc.stderr, f"an empty line on stderr\n{shown}"
     for needle in needles:
         assert needle in first, f"{needle!r} not in the first line {first!r}\n{shown}"
     for path in case.untouched:

@@ -30,6 +30,7 @@ def assert_one_line_error(proc, *needles: str) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = stderr_lines(proc)
     assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    assert not proc.stderr.startswith("\n") and "\n\n" not in proc.stderr, f"an empty line on stderr:\n{proc.stderr!r}"
     line = lines[0]
     assert line.startswith("error: "), line
     # An explained error, not the catch-all that reports a bug in deltafy.
