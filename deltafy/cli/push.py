@@ -10,7 +10,7 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from ..push import PushResult, push
+from ..hub.push import PushResult, push
 from ._console import console, state
 from ._options import OFF
 

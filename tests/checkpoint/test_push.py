@@ -26,7 +26,7 @@ from huggingface_hub.utils._http import default_client_factory, hf_request_event
 
 import deltafy
 from deltafy.cli import main
-from deltafy.push import push
+from deltafy.hub.push import push
 
 TOKEN = "hf_deltafyTestToken0123456789abcdefXYZ"  # HF_TOKEN's
 CLI_TOKEN = "hf_givenOnTheCommandLine9876543210zyx"  # --token's
@@ -434,7 +434,7 @@ def test_the_token_scan_reads_the_cached_login_without_a_request(hub, folder, ca
 
 
 def test_a_token_cut_between_two_reads_is_found():
-    from deltafy.push import _token_in
+    from deltafy.hub.plan import _token_in
 
     head, tail = TOKEN[:10].encode(), TOKEN[10:].encode()
     assert _token_in([b"x" * 100 + head, tail + b"y"], TOKEN) == "yours"
@@ -475,14 +475,14 @@ def test_a_token_cut_between_two_reads_is_found():
     ],
 )
 def test_a_bad_branch_name_is_named(name, why):
-    from deltafy.push import branch_name_problems
+    from deltafy.hub.plan import branch_name_problems
 
     assert any(why in problem for problem in branch_name_problems(name)), branch_name_problems(name)
 
 
 @pytest.mark.parametrize("name", ["main", "ddl-heads", "feature/x.y", "v1.0", "ü-branch", "a@b", "refs/pr/12"])
 def test_a_good_revision_passes(name):
-    from deltafy.push import check_revision
+    from deltafy.hub.plan import check_revision
 
     check_revision(name)
 

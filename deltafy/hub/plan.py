@@ -1,14 +1,8 @@
-"""Publishing a checkpoint folder on the Hugging Face Hub, through huggingface_hub as its own CLI does.
-
-What goes up is decided here, before any request, and ``dry_run`` runs every check a push runs and
-shows exactly the files that go: the folder must be a complete deltafy checkpoint, only its own files
-go (a link pointing outside it is refused), a running job's lock never goes, and the training state
-(resumable Trainer checkpoints with optimizer moments, several times the model's size) only on
-request. ``metrics.jsonl`` does go: a few KB of loss numbers behind the card's figures. No file may
-hold a Hub token, the user's own or any other.
-
-The token is huggingface_hub's to find (``token=``, ``HF_TOKEN``, the cached login); deltafy only
-passes it on, and scrubs it from any error text it shows.
+"""What a push sends, decided before any request: the folder must be a complete deltafy checkpoint,
+only its own files go (a link pointing outside it is refused), a running job's lock never goes, and the
+training state (resumable Trainer checkpoints with optimizer moments, several times the model's size) only
+on request. ``metrics.jsonl`` does go: a few KB of loss numbers behind the card's figures. No file may hold
+a Hub token, the user's own or any other. Also the branch a push may name, and its commit message.
 """
 
 from __future__ import annotations
@@ -17,13 +11,11 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import read_config
-from .errors import DeltafyError, first_line
-from .files import CARD_FILE, HEADS_FILE, LOCK_FILE, MODELING_FILE, STATE_DIR
+from ..checkpoint import read_config
+from ..errors import DeltafyError, first_line
+from ..files import CARD_FILE, HEADS_FILE, LOCK_FILE, MODELING_FILE, STATE_DIR
 
 LOCK_PATTERNS = [LOCK_FILE, f"*/{LOCK_FILE}", "*.lock"]
 TRAINING_PATTERNS = [STATE_DIR, f"{STATE_DIR}/*", "*optimizer.pt", "*scheduler.pt", "*rng_state*.pth"]
@@ -31,76 +23,6 @@ _BINARY_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")  # not searched for tokens (
 # huggingface_hub's access tokens: "hf_" and 34 letters and digits; 30 or more catches a clipped one too.
 _TOKEN_SHAPE = re.compile(rb"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")
 _PR_REVISION = re.compile(r"refs/pr/\d+")  # a pull request's ref, as huggingface_hub's SPECIAL_REFS_REVISION_REGEX
-
-
-@dataclass
-class PushResult:
-    """What was (or, for a dry run, would be) uploaded. Never holds the token."""
-
-    repo: str
-    files: list[tuple[str, int]]  # path in the repo, size in bytes
-    front_matter: dict
-    commit_message: str
-    private: bool
-    revision: str | None
-    heads_only: bool
-    dry_run: bool
-    repo_url: str | None = None
-    commit_url: str | None = None
-    ignored: list[str] = field(default_factory=list)  # files of the folder left out
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(size for _, size in self.files)
-
-
-def push(
-    folder: str | Path,
-    repo: str,
-    *,
-    private: bool = False,
-    revision: str | None = None,
-    message: str | None = None,
-    token: str | None = None,
-    dry_run: bool = False,
-    include_training: bool = False,
-    before_upload: Callable[[PushResult], None] | None = None,
-) -> PushResult:
-    """Upload the deltafy checkpoint ``folder`` to the Hub model repo ``repo`` (created if missing).
-
-    ``revision`` names a branch, created from ``main`` when new, or a pull request (``refs/pr/N``).
-    ``dry_run`` runs the same checks and returns what would be uploaded without a single request.
-    ``before_upload`` is called with that plan once the folder, the Hub's reachability and the token
-    are checked, before the first request.
-    """
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo)
-    except HFValidationError as err:
-        raise DeltafyError(f"--repo {repo!r} is not a Hub repository id; use OWNER/NAME, e.g. me/smol-ddl") from err
-    folder = Path(folder).expanduser()
-    config, heads_only = check_checkpoint(folder)
-    front_matter = _front_matter(folder)
-    check_revision(revision)
-    ignore = LOCK_PATTERNS + ([] if include_training else TRAINING_PATTERNS)
-    files, ignored = upload_plan(folder, ignore)
-    _refuse_tokens_in_files(folder, files, token or _local_token())
-    result = PushResult(
-        repo=repo,
-        files=files,
-        front_matter=front_matter,
-        commit_message=message or default_commit_message(config, front_matter, heads_only),
-        private=private,
-        revision=revision,
-        heads_only=heads_only,
-        dry_run=dry_run,
-        ignored=ignored,
-    )
-    if dry_run:
-        return result
-    _upload(folder, result, token, before_upload)
-    return result
 
 
 # -- what a complete checkpoint is ---------------------------------------------------------------
@@ -180,7 +102,7 @@ def _check_safetensors(path: Path) -> None:
         raise DeltafyError(f"{path} is truncated or not a safetensors file; save the checkpoint again with deltafy")
 
 
-def _front_matter(folder: Path) -> dict:
+def front_matter_of(folder: Path) -> dict:
     from huggingface_hub import ModelCard
 
     try:
@@ -276,7 +198,7 @@ def branch_name_problems(name: str) -> list[str]:
 
 def _base_name(config: dict, front_matter: dict) -> str:
     """The base model as people know it: the card's Hub id, else the source's name (never a local path)."""
-    from .card import base_model, public_name
+    from ..card import base_model, public_name
 
     spec = config["deltafy"]
     provenance = spec.get("provenance", {})
@@ -291,110 +213,21 @@ def _base_name(config: dict, front_matter: dict) -> str:
 
 
 def default_commit_message(config: dict, front_matter: dict, heads_only: bool) -> str:
-    from . import __version__
+    from .. import __version__
 
     recipe = config["deltafy"].get("recipe", {}).get("name", "unknown")
     what = "Deep Delta Learning heads for" if heads_only else "Deep Delta Learning model from"
     return f"{what} {_base_name(config, front_matter)} (recipe {recipe}, deltafy {__version__})"
 
 
-# -- the upload ------------------------------------------------------------------------------------
-
-
-def _upload(folder: Path, result: PushResult, token: str | None, before_upload) -> None:
-    import httpx2
-    from huggingface_hub import HfApi, constants, get_token
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
-
-    if constants.is_offline_mode():
-        raise DeltafyError(_OFFLINE)
-    secret = token or get_token()
-    if not secret:
-        raise DeltafyError(_NOT_LOGGED_IN)
-    if before_upload is not None:
-        before_upload(result)
-    api = HfApi(token=token)  # None: huggingface_hub finds the same token again itself
-    # private=None, as `hf upload` does: a new repo then follows its namespace's default visibility.
-    try:
-        repo_url = api.create_repo(result.repo, repo_type="model", exist_ok=True, private=result.private or None)
-        repo_id = repo_url.repo_id
-        if _new_branch(result.revision):
-            api.create_branch(repo_id, branch=result.revision, repo_type="model", exist_ok=True)
-        # upload_folder walks the folder itself; allowing exactly the planned paths makes it send the plan.
-        commit = api.upload_folder(
-            folder_path=folder,
-            repo_id=repo_id,
-            repo_type="model",
-            revision=result.revision,
-            commit_message=result.commit_message,
-            allow_patterns=[_literal(rel) for rel, _ in result.files],
-        )
-    except OfflineModeIsEnabled as err:  # set after the check above
-        raise DeltafyError(_OFFLINE) from err
-    except LocalTokenNotFoundError as err:
-        raise DeltafyError(_NOT_LOGGED_IN) from err
-    except HfHubHTTPError as err:
-        raise DeltafyError(_scrub(_http_message(err, result.repo), secret)) from err
-    except httpx2.TransportError as err:
-        raise DeltafyError(
-            _scrub(
-                f"could not reach the Hub at {constants.ENDPOINT} ({type(err).__name__}: {first_line(err)}); check "
-                f"the network (or HF_ENDPOINT) and run the command again, or pass --dry-run to see what would go up",
-                secret,
-            )
-        ) from None  # not even --debug shows the unscrubbed text
-
-    except ValueError as err:  # the Hub's YAML check of the card, or a revision it cannot commit to
-        raise DeltafyError(_scrub(f"the Hub refused the upload: {first_line(err)}", secret)) from None
-    result.repo_url = str(repo_url)
-    result.commit_url = getattr(commit, "commit_url", None) or str(commit)
-
-
-_NOT_LOGGED_IN = (
-    "not logged in to the Hugging Face Hub: run `hf auth login`, set HF_TOKEN, or pass --token (a token with "
-    "write access)"
-)
-_OFFLINE = (
-    "the Hub is unreachable (HF_HUB_OFFLINE is set): unset HF_HUB_OFFLINE to push, or pass --dry-run "
-    "to see what would be uploaded"
-)
-
-
-def _http_message(err, repo: str) -> str:
-    status = getattr(getattr(err, "response", None), "status_code", None)
-    if status == 401:
-        return (
-            f"the Hub refused the token (401) while pushing to {repo}: log in again with `hf auth login`, set "
-            f"HF_TOKEN, or pass --token with a valid token that has write access"
-        )
-    if status == 403:
-        return (
-            f"the token may not write to {repo} (403): use a token with write access to "
-            f"{repo.split('/')[0]}, or push to a repository you own"
-        )
-    if status == 404:
-        return f"the Hub found no repository {repo} you can write to (404): check --repo and that your token can see it"
-    server = getattr(err, "server_message", None) or first_line(err)
-    return f"the Hub answered {status or 'an error'} while pushing to {repo}: {first_line(server)}"
-
-
-def _scrub(text: str, secret: str) -> str:
-    return text.replace(secret, "***") if secret else text
-
-
-def _new_branch(revision: str | None) -> bool:
+def new_branch(revision: str | None) -> bool:
     """Whether ``revision`` names a branch to create if missing (a pull request's ref already exists)."""
     from huggingface_hub import constants
 
     return bool(revision) and revision != constants.DEFAULT_REVISION and not _PR_REVISION.fullmatch(revision)
 
 
-def _literal(path: str) -> str:
-    """An fnmatch pattern matching exactly ``path``: its wildcard characters in brackets."""
-    return re.sub(r"([*?\[])", r"[\1]", path)
-
-
-def _local_token() -> str | None:
+def local_token() -> str | None:
     """The token huggingface_hub would use, read without a request.
 
     get_token() may exchange an OIDC token or refresh an OAuth one over the network; those are minted
@@ -409,7 +242,7 @@ def _local_token() -> str | None:
     return _get_token_from_environment() or _get_token_from_file()
 
 
-def _refuse_tokens_in_files(folder: Path, files: list[tuple[str, int]], secret: str | None) -> None:
+def refuse_tokens_in_files(folder: Path, files: list[tuple[str, int]], secret: str | None) -> None:
     """A token written into a card, config, metrics file or weights' metadata must never be published."""
     for rel, _ in files:
         if rel.endswith(_BINARY_SUFFIXES):
