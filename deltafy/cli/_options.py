@@ -28,7 +28,12 @@ RecipeOpt = Annotated[
     str,
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
 ]
-DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Precision to load and save the model in.")]
+DTypeOpt = Annotated[
+    DType,
+    typer.Option(
+        "--dtype", help="Precision to load the model in (convert also saves it so); auto: as the checkpoint records it."
+    ),
+]
 BaseOpt = Annotated[
     str | None,
     typer.Option(
