@@ -3,8 +3,6 @@
 Both live in the modeling file, which a checkpoint carries and runs where deltafy is not installed:
 the errors it raises there are the ones deltafy raises, and its messages need no marking."""
 
-import signal
-
 from .modeling_deltafy import DeltafyError, first_line
 
 
@@ -15,7 +13,7 @@ class Interrupted(DeltafyError):
 
     def __init__(self, message: str, signum: int | None):
         super().__init__(message)
-        self.exit_code = 128 + (signum or signal.SIGINT)
+        self.signum = signum
 
 
 __all__ = ["DeltafyError", "Interrupted", "first_line"]

@@ -62,9 +62,9 @@ def deferred():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
-def exit_code() -> int:
-    """The shell's code for death by the signal: 130 for SIGINT, 143 for SIGTERM."""
-    return 128 + (received or signal.SIGINT)
+def exit_code(signum: int | None = None) -> int:
+    """The shell's code for death by ``signum`` (else the signal received): 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + (signum or received or signal.SIGINT)
 
 
 def name() -> str:

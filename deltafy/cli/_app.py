@@ -75,7 +75,7 @@ def run(args: list[str]) -> None:
             raise
         # escape(): a message's own brackets ("[attn, mlp]") are text, not rich markup to drop.
         err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        sys.exit(err.exit_code if isinstance(err, Interrupted) else 1)
+        sys.exit(interrupts.exit_code(err.signum) if isinstance(err, Interrupted) else 1)
     except _EXITS as err:
         sys.exit(err.exit_code)
     except _CLICK_ERRORS as err:
