@@ -116,13 +116,9 @@ def inspect_command(
         betas, tokens = _mean_betas(model, tokenizer), None
     # without a tokenizer the prompts cannot be read: make_inputs draws random token ids instead
     measured_on = "built-in prompts" if tokenizer is not None else "random token ids"
-    text = (
-        f"{tokens:,} tokens of {', '.join(data)}"
-        if data
-        else f"the {len(PROMPTS)} built-in prompts"
-        if tokenizer is not None
-        else measured_on
-    )
+    text = f"the {len(PROMPTS)} built-in prompts" if tokenizer is not None else measured_on  # (said, and drawn)
+    if data:
+        text = f"{tokens:,} tokens of {', '.join(data)}"
     sites = [s["name"] for s in spec["sites"]]
     label = factor_label(spec)  # α·β with a strength gate
     layers = len(model.get_submodule(spec["layers"]))
