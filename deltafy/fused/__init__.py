@@ -96,4 +96,5 @@ def disable(model: torch.nn.Module) -> int:
         if "fused" in vars(site):
             del site.fused
             switched += 1
+        vars(site).pop("_fused_plan", None)
     return switched

@@ -9,6 +9,8 @@ heads' output gradients; the head parameters' gradients are then a matmul and a 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -39,43 +41,45 @@ def _recompute(c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED: 
 
 @triton.jit
 def _forward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr, alpha_ptr, out_ptr,
-                    s_xj, s_xr, s_c, s_h, s_kr, s_wt, s_oj, s_or, d, eps2, inv_sqrt_d, neg_two_over_m,
+                    s_j, d, eps2, inv_sqrt_d, neg_two_over_m,
                     CHANNELS: tl.constexpr, LEARNED: tl.constexpr, STRENGTH: tl.constexpr, BLOCK: tl.constexpr):
+    # every tensor is contiguous: a row is d elements, a channel (of x and out) s_j = rows * d
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     cv, hv, rc, unit, wg, sig, raw, k, inv_n = _recompute(
-        c_ptr + row * s_c, h_ptr + row * s_h, kr_ptr + row * s_kr, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED)
+        c_ptr + row * d, h_ptr + row * d, kr_ptr + row * d, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED)
     if STRENGTH:
         alpha = tl.load(alpha_ptr).to(tl.float32)
     else:
         alpha = 1.0
     scale = sig * inv_n * alpha  # alpha = 0 (a fresh strength gate): every coef is 0 and h' = h exactly
-    # channel j's rows: the pointers step by a channel's stride (64-bit pointers: no int32 j * stride)
-    x_ptr += row * s_xr
-    out_ptr += row * s_or
+    # channel j's rows: the pointers step by s_j (64-bit pointers: no int32 j * s_j)
+    x_ptr += row * d
+    out_ptr += row * d
     for j in tl.static_range(CHANNELS):
         xv = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        wt = tl.load(wt_ptr + j * s_wt + cols, mask=mask, other=0.0).to(tl.float32)
+        wt = tl.load(wt_ptr + j * d + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.sum(unit * wt, axis=0) + tl.load(bt_ptr + j).to(tl.float32)
         miss = tl.sum(k * xv, axis=0) * inv_n - u * tl.sqrt(tl.sum(xv * xv, axis=0)) * inv_sqrt_d
         out = hv + k * (scale * miss * neg_two_over_m)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-        x_ptr += s_xj
-        out_ptr += s_oj
+        x_ptr += s_j
+        out_ptr += s_j
 
 
 @triton.jit
 def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr, alpha_ptr, go_ptr,
                      dx_ptr, dc_ptr, dh_ptr, dkr_ptr, unit_ptr, dgu_ptr,
-                     s_xj, s_xr, s_c, s_h, s_kr, s_wt, s_gj, s_gr, s_dxj, d, eps2, inv_sqrt_d, neg_two_over_m,
+                     s_j, d, eps2, inv_sqrt_d, neg_two_over_m,
                      CHANNELS: tl.constexpr, LEARNED: tl.constexpr, STRENGTH: tl.constexpr, BLOCK: tl.constexpr):
-    # dx (channels, rows, d), dc, dh, dkr, unit (rows, d) and dgu (rows, channels + 2) are contiguous
+    # every tensor is contiguous: x, go and dx (channels, rows, d), a channel s_j = rows * d apart; dc, dh,
+    # dkr, unit (rows, d); dgu (rows, channels + 2)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     cv, hv, rc, unit, wg, sig, raw, k, inv_n = _recompute(
-        c_ptr + row * s_c, h_ptr + row * s_h, kr_ptr + row * s_kr, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED)
+        c_ptr + row * d, h_ptr + row * d, kr_ptr + row * d, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED)
     if STRENGTH:
         alpha = tl.load(alpha_ptr).to(tl.float32)
     else:
@@ -87,13 +91,13 @@ def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr
     dsig = 0.0
     dinv = 0.0
     dalpha = 0.0
-    x_ptr += row * s_xr
-    go_ptr += row * s_gr
+    x_ptr += row * d
+    go_ptr += row * d
     dx_ptr += row * d
     for j in tl.static_range(CHANNELS):
         xv = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         go = tl.load(go_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        wt = tl.load(wt_ptr + j * s_wt + cols, mask=mask, other=0.0).to(tl.float32)
+        wt = tl.load(wt_ptr + j * d + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.sum(unit * wt, axis=0) + tl.load(bt_ptr + j).to(tl.float32)
         dot = tl.sum(k * xv, axis=0)
         nx = tl.sqrt(tl.sum(xv * xv, axis=0))
@@ -113,9 +117,9 @@ def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr
         tl.store(dx_ptr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dunit += du * wt
         tl.store(dgu_ptr + 1 + j, du)
-        x_ptr += s_xj
-        go_ptr += s_gj
-        dx_ptr += s_dxj
+        x_ptr += s_j
+        go_ptr += s_j
+        dx_ptr += s_j
     dk += (-dinv * inv_n * inv_n * inv_n) * k  # inv_n = (k.k + eps^2)^-1/2
     dg = dsig * sig * (1.0 - sig)
     dunit += dg * wg
@@ -142,31 +146,42 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16384  # a row lives in registers: wider streams take the formula
 
 
-def _rows(t: torch.Tensor, *lead: int) -> torch.Tensor:
-    # rows of d elements at unit stride: a view wherever the layout allows, a copy elsewhere
-    t = t.reshape(*lead, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+class Plan(NamedTuple):
+    """What a site's launches take that its construction fixed: decided on its first fused call, not per call."""
+
+    d: int
+    channels: int
+    learned: bool  # a learned direction (deltafy's DeltaDirection); else the sublayer's write is the direction
+    consts: tuple  # (channels, eps^2 (the sublayer direction's eps is eps / m), 1 / sqrt(d), -2 / m)
+    block: int
+    num_warps: int
 
 
-def _launch(n_rows: int, d: int) -> dict:
+def plan(site) -> Plan | None:
+    """The site's Plan, or None where the kernels do not take it: a direction head that is not deltafy's, the
+    write-only control (no readout to erase), a stream wider than a row of registers."""
+    d, direction = site.hidden_size, site.direction
+    if (direction is not None and type(direction).__name__ != "DeltaDirection") or not getattr(site, "erase", True):
+        return None
+    if d > MAX_WIDTH:
+        return None
+    eps = site.eps if direction is not None else site.eps / site.scale
     block = triton.next_power_of_2(d)
-    return dict(grid=(n_rows,), BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    consts = (site.channels, eps * eps, d**-0.5, -2.0 / site.scale)
+    return Plan(d, site.channels, direction is not None, consts, block, min(max(block // 256, 1), 16))
 
 
-def _forward(x, c, h, kr, wg, bg, wt, bt, alpha, consts):
-    channels, eps2, inv_sqrt_d, gamma = consts
-    d, n = h.shape[-1], h.numel() // h.shape[-1]
-    xs, c2, h2 = _rows(x, channels, n), _rows(c, n), _rows(h, n)
-    k2 = h2 if kr is None else _rows(kr, n)
-    out = torch.empty((channels, n, d), dtype=h.dtype, device=h.device)
-    launch = _launch(n, d)
-    _forward_kernel[launch.pop("grid")](
-        xs, c2, h2, k2, wg, bg, wt, bt, wg if alpha is None else alpha, out,
-        xs.stride(0), xs.stride(1), c2.stride(0), h2.stride(0), k2.stride(0), wt.stride(0), out.stride(0),
-        out.stride(1), d, eps2, inv_sqrt_d, gamma,
-        CHANNELS=channels, LEARNED=kr is not None, STRENGTH=alpha is not None, **launch,
+def _forward(x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
+    # contiguous inputs (the caller's): rows d apart, channels rows * d apart
+    n = h.numel() // p.d
+    out = torch.empty_like(x, dtype=h.dtype)
+    _, eps2, inv_sqrt_d, gamma = p.consts
+    _forward_kernel[(n,)](
+        x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, out,
+        n * p.d, p.d, eps2, inv_sqrt_d, gamma,
+        CHANNELS=p.channels, LEARNED=p.learned, STRENGTH=alpha is not None, BLOCK=p.block, num_warps=p.num_warps,
     )  # fmt: skip
-    return out.view(x.shape)
+    return out
 
 
 class SiteWrite(torch.autograd.Function):
@@ -174,32 +189,31 @@ class SiteWrite(torch.autograd.Function):
     the rows' head gradients, then a matmul and a sum for the head parameters'. Saves only the inputs."""
 
     @staticmethod
-    def forward(ctx, x, c, h, kr, wg, bg, wt, bt, alpha, consts):
+    def forward(ctx, x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
         ctx.save_for_backward(x, c, h, kr, wg, bg, wt, bt, alpha)
-        ctx.consts = consts
-        return _forward(x, c, h, kr, wg, bg, wt, bt, alpha, consts)
+        ctx.plan = p
+        return _forward(x, c, h, kr, wg, bg, wt, bt, alpha, p)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, c, h, kr, wg, bg, wt, bt, alpha = ctx.saved_tensors
-        channels, eps2, inv_sqrt_d, gamma = ctx.consts
-        d, n = h.shape[-1], h.numel() // h.shape[-1]
-        xs, c2, h2, g3 = _rows(x, channels, n), _rows(c, n), _rows(h, n), _rows(grad, channels, n)
-        k2 = h2 if kr is None else _rows(kr, n)
-        dx = torch.empty((channels, n, d), dtype=x.dtype, device=h.device)
-        dc = torch.empty((n, d), dtype=c.dtype, device=h.device)
-        dh = torch.empty((n, d), dtype=h.dtype, device=h.device)
-        dkr = dh if kr is None else torch.empty((n, d), dtype=kr.dtype, device=h.device)
+        p = ctx.plan
+        d, n = p.d, h.numel() // p.d
+        grad = grad.contiguous()
+        dx = torch.empty_like(x)
+        dc = torch.empty_like(c)
+        dh = torch.empty_like(h)
+        dkr = dh if kr is None else torch.empty_like(kr)
         unit = torch.empty((n, d), dtype=torch.float32, device=h.device)
-        dgu = torch.empty((n, channels + 2), dtype=torch.float32, device=h.device)
-        launch = _launch(n, d)
-        _backward_kernel[launch.pop("grid")](
-            xs, c2, h2, k2, wg, bg, wt, bt, wg if alpha is None else alpha, g3,
+        dgu = torch.empty((n, p.channels + 2), dtype=torch.float32, device=h.device)
+        _, eps2, inv_sqrt_d, gamma = p.consts
+        _backward_kernel[(n,)](
+            x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, grad,
             dx, dc, dh, dkr, unit, dgu,
-            xs.stride(0), xs.stride(1), c2.stride(0), h2.stride(0), k2.stride(0), wt.stride(0), g3.stride(0),
-            g3.stride(1), n * d, d, eps2, inv_sqrt_d, gamma,
-            CHANNELS=channels, LEARNED=kr is not None, STRENGTH=alpha is not None, **launch,
+            n * d, d, eps2, inv_sqrt_d, gamma,
+            CHANNELS=p.channels, LEARNED=kr is not None, STRENGTH=alpha is not None, BLOCK=p.block,
+            num_warps=p.num_warps,
         )  # fmt: skip
         heads = [None] * 5
         if any(ctx.needs_input_grad[4:9]):
@@ -207,39 +221,52 @@ class SiteWrite(torch.autograd.Function):
                 weights, biases = dgu.T @ unit, dgu.sum(0)  # rows: the gate, the targets, (alpha)
             heads = [weights[:1], biases[:1], weights[1:-1], biases[1:-1], biases[-1:]]
             heads = [None if p is None else g.to(p.dtype) for g, p in zip(heads, (wg, bg, wt, bt, alpha), strict=True)]
-        return (dx.view(x.shape), dc.view(c.shape), dh.view(h.shape), None if kr is None else dkr.view(kr.shape),
-                *heads, None)  # fmt: skip
+        return dx, dc, dh, None if kr is None else dkr, *heads, None
 
 
 def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
     """site.formula(x, c, h) from the fused kernels, or None for inputs they do not take (the caller then
-    runs the formula): another shape than the model's, a dtype outside fp32/bf16/fp16, a direction head
-    that is not deltafy's."""
-    d, channels, direction = site.hidden_size, site.channels, site.direction
+    runs the formula): another shape than the model's, a dtype outside fp32/bf16/fp16, a site plan() refuses.
+    A decode step runs this once a site: what its construction fixed is looked up, the rest is checked here."""
+    p = site.__dict__.get("_fused_plan", False)
+    if p is False:
+        p = site.__dict__["_fused_plan"] = plan(site)
+    if p is None:
+        return None
+    gate, target = site.gate, site.target
+    wg, bg, wt, bt, alpha = gate.weight, gate.bias, target.weight, target.bias, site.strength
+    device = h.device
     if (
         h.dtype not in _DTYPES or x.dtype not in _DTYPES or c.dtype not in _DTYPES
-        or h.shape[-1] != d or d > MAX_WIDTH or c.shape != h.shape or h.numel() == 0
-        or x.shape != (h.shape if channels == 1 else (channels, *h.shape))
-        or x.device != h.device or c.device != h.device or site.gate.weight.device != h.device
-        or (direction is not None and type(direction).__name__ != "DeltaDirection")
-        or not getattr(site, "erase", True)  # the write-only control: the formula
+        or h.shape[-1] != p.d or c.shape != h.shape or h.numel() == 0
+        or x.shape != (h.shape if p.channels == 1 else (p.channels, *h.shape))
+        or x.device != device or c.device != device or wg.device != device
     ):  # fmt: skip
         return None
-    if h.is_cuda and h.device.index != torch.cuda.current_device():  # triton launches on the current device
-        with torch.cuda.device(h.device):
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # triton launches on the current one
+        with torch.cuda.device(device):
             return write(site, x, c, h)
-    wg, bg, wt, bt, alpha = site.gate.weight, site.gate.bias, site.target.weight, site.target.bias, site.strength
-    if wg.stride(-1) != 1 or wt.stride(-1) != 1 or not (bg.is_contiguous() and bt.is_contiguous()):
-        wg, wt, bg, bt = wg.contiguous(), wt.contiguous(), bg.contiguous(), bt.contiguous()
-    if direction is None:
-        kr, eps = None, site.eps / site.scale
-    elif torch.is_autocast_enabled(h.device.type):  # the formula's heads run in fp32, as here
-        with torch.autocast(h.device.type, enabled=False):
-            kr, eps = direction(c.float()), site.eps
+    if p.learned:
+        if torch.is_autocast_enabled(device.type):  # the formula's heads run in fp32, as here
+            with torch.autocast(device.type, enabled=False):
+                kr = site.direction(c.float())
+        else:
+            kr = site.direction(c if c.dtype == torch.float32 else c.float())
+        kr = kr.contiguous()
     else:
-        kr, eps = direction(c if c.dtype == torch.float32 else c.float()), site.eps
-    consts = (channels, eps * eps, d**-0.5, -2.0 / site.scale)
-    inputs = (x, c, h, kr, wg, bg, wt, bt, alpha)
+        kr = None
+    # the kernels read rows d apart: contiguous() is the tensor itself where it already is (a decode step's)
+    inputs = (
+        x.contiguous(),
+        c.contiguous(),
+        h.contiguous(),
+        kr,
+        wg.contiguous(),
+        bg.contiguous(),
+        wt.contiguous(),
+        bt.contiguous(),
+        alpha,
+    )
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return SiteWrite.apply(*inputs, consts)
-    return _forward(*inputs, consts)
+        return SiteWrite.apply(*inputs, p)
+    return _forward(*inputs, p)

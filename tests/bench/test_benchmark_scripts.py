@@ -1,5 +1,5 @@
 """benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernel_count.py
-counts more kernels for a converted tiny Llama than for its original."""
+counts more kernels for a converted tiny Llama than for its original; benchmarks/site_call.py times a site."""
 
 from __future__ import annotations
 
@@ -101,3 +101,28 @@ def test_kernel_counts_of_a_tiny_llama():
     assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] == interpret_before
     names = result["names"]["decode"]["reference"]
     assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
+
+
+def test_site_call_times_the_formula_beside_its_yardsticks():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/site_call.py", "--width", "64", "--calls", "20", "--rounds", "2"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "cpu float32, shape (1, 1, 64)" in lines[0]
+    times = {}
+    for line in lines[2:]:
+        if not line.startswith("  "):  # (an indented line is a note)
+            times[line[:26].strip()] = tuple(float(v) for v in line.split()[-2:])
+    assert set(times) == {"site, formula", "RMSNorm (yardstick)", "residual add (yardstick)", "empty module call"}
+    for issue, total in times.values():
+        assert 0 < issue <= total and math.isfinite(total)
+    # a site's formula is a few dozen ops: dearer than one add (the fused row needs CUDA)
+    assert times["site, formula"][0] > times["residual add (yardstick)"][0]
+    assert "site, fused: deltafy.fused.supported() is False" in proc.stdout

@@ -1,0 +1,96 @@
+"""What one DDL site costs the host at decode: microseconds per call, formula vs fused, beside the modules
+of the original layer it sits in.
+
+    python benchmarks/site_call.py                       # CPU, fp32: the formula, a norm, a residual add
+    python benchmarks/site_call.py --device cuda         # bf16: the fused path too
+    python benchmarks/site_call.py --width 2048 --calls 2000
+
+A batch-1 decode step is host-bound on a GPU: every module call and kernel launch costs the CPU a few
+microseconds while the GPU waits. kernel_count.py counts launches; this times what issuing them costs.
+One site of the ddl-scalar recipe (strength gate, sublayer direction, gates open) at shape (1, 1, width),
+called --calls times in a row with no autograd; "issue" is the host's time per call until the last call
+returned, "total" until the device finished too (their difference is how far the GPU trailed). Yardsticks
+from the original model's own layer: a LlamaRMSNorm call (one module, a few kernels) and the residual
+add (one kernel). Rows alternate round by round; the median of --rounds rounds is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import deltafy.fused
+from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec
+
+
+def site(width: int, device: str, dtype: torch.dtype) -> DeltaSite:
+    one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
+    spec = DeltaSpec(layers="model.layers", hidden_size=width, sites=(one,), gate="strength")
+    module = DeltaSite(spec, one).to(device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # open gates and targets: the work a trained site does
+        for p in module.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+        module.strength.fill_(1.0)
+    return module
+
+
+def timed(fn, calls: int, sync) -> tuple[float, float]:
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    sync()
+    done = time.perf_counter()
+    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--width", type=int, default=576, help="hidden size (SmolLM2-135M: 576)")
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    x, c, h = (torch.randn(1, 1, args.width, device=device, dtype=dtype) for _ in range(3))
+    formula = site(args.width, device, dtype)
+    rows = {"site, formula": lambda: formula(x, c, h)}
+    if deltafy.fused.supported(device):
+        fused = site(args.width, device, dtype)
+        deltafy.fused.enable(fused)
+        rows["site, fused"] = lambda: fused(x, c, h)
+    norm = LlamaRMSNorm(args.width).to(device=device, dtype=dtype)
+    rows["RMSNorm (yardstick)"] = lambda: norm(x)
+    rows["residual add (yardstick)"] = lambda: x + h
+    identity = nn.Identity()
+    rows["empty module call"] = lambda: identity(x)
+    results: dict[str, list] = {name: [] for name in rows}
+    with torch.inference_mode():
+        for fn in rows.values():  # warm-up: triton compiles its kernel on the first call
+            timed(fn, 20, sync)
+        for r in range(args.rounds):
+            names = list(rows)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                results[name].append(timed(rows[name], args.calls, sync))
+    gpu = f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    print(f"torch {torch.__version__}{gpu}; {device} {str(dtype).removeprefix('torch.')}, shape (1, 1, {args.width})")
+    print(f"{'call':26s} {'issue us':>9s} {'total us':>9s}")
+    for name, values in results.items():
+        issue = statistics.median(v[0] for v in values)
+        total = statistics.median(v[1] for v in values)
+        print(f"{name:26s} {issue:9.1f} {total:9.1f}")
+    if "site, fused" not in rows:
+        print("  site, fused: deltafy.fused.supported() is False here (CUDA with triton runs it)")
+
+
+if __name__ == "__main__":
+    main()
