@@ -12,8 +12,9 @@ device machine that cannot carry its 98 MB, random weights of its shape: speed d
 and the table says which it ran) and a random Llama of Llama-3.2-1B's shape (hidden 2048,
 MLP 8192, 16 layers, 32 heads, 8 KV heads, vocabulary 128256), bf16; --cpu/--quick: a tiny random Llama
 (2 layers, hidden 64) in fp32. The converted model (--recipe, default ddl-scalar) has its gates opened
-(beta ~ 0.1-0.5, random targets: heads as after training); "reference" runs its formula in PyTorch ops,
-"fused" the same copy with deltafy.fused enabled (where deltafy.fused exists and supports the device).
+(beta ~ 0.1-0.5, random targets: heads as after training); "reference" runs its formula in PyTorch ops
+(deltafy.fused.disable: convert turns the fused path on where CUDA and triton are), "fused" a copy with
+deltafy.fused enabled (where deltafy.fused exists and supports the device).
 Every variant is its own copy of one loaded model, measured side by side in one process, alternating
 which goes first, so that the drift of a shared machine hits them alike.
 

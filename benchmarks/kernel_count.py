@@ -29,7 +29,8 @@ averaged over --train-steps steps after a warm-up; no optimizer step. Two settin
                       activations' gradients and computes no weight gradient: the base's share of a
                       heads-only backward, the comparable setting.
   train, full         both: every parameter requires grad.
-Columns: "original" and "reference" (the converted model's formula in PyTorch ops) are kernels per
+Columns: "original" and "reference" (the converted model's formula in PyTorch ops, the fused path that
+convert turns on where CUDA and triton are disabled) are kernels per
 step; "ratio" is reference/original and "extra/site" (reference - original) / number of DDL sites;
 "fused" is the converted model with deltafy.fused enabled: on CUDA its kernels run and are counted as
 they launch; on CPU (where Triton's interpreter would run them as Python) each launch is recorded as a

@@ -6,7 +6,9 @@ and a sum (backward), in place of the formula's few dozen ops.
     deltafy.fused.disable(model)   # back to DeltaSite.formula
 
 The seam is DeltaSite.fused: ``enable`` sets ``fused_write`` on each site once, so a call costs no
-selection. ``fused_write`` reads the site's parameters on every call (a copy_, a ``.data =``, a
+selection, and what the site's construction fixed (block size, warps, constants: ``kernel.plan``) is
+decided on its first call; on a GPU a decode step is bound by what the host spends issuing each site
+(docs/performance.md). ``fused_write`` reads the site's parameters on every call (a copy_, a ``.data =``, a
 load_state_dict or an optimizer step is seen at once) and computes what the formula does, in fp32
 registers, with the result in h's dtype; alpha = 0 leaves h bitwise. A learned direction's matmuls stay
 in torch (their parameters' gradients with them); the sublayer direction is read from h in the kernel.

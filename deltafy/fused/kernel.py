@@ -152,7 +152,9 @@ class Plan(NamedTuple):
     d: int
     channels: int
     learned: bool  # a learned direction (deltafy's DeltaDirection); else the sublayer's write is the direction
-    consts: tuple  # (channels, eps^2 (the sublayer direction's eps is eps / m), 1 / sqrt(d), -2 / m)
+    eps2: float  # eps^2 (the sublayer direction's eps is eps / m)
+    inv_sqrt_d: float
+    gamma: float  # -2 / m
     block: int
     num_warps: int
 
@@ -167,18 +169,17 @@ def plan(site) -> Plan | None:
         return None
     eps = site.eps if direction is not None else site.eps / site.scale
     block = triton.next_power_of_2(d)
-    consts = (site.channels, eps * eps, d**-0.5, -2.0 / site.scale)
-    return Plan(d, site.channels, direction is not None, consts, block, min(max(block // 256, 1), 16))
+    warps = min(max(block // 256, 1), 16)
+    return Plan(d, site.channels, direction is not None, eps * eps, d**-0.5, -2.0 / site.scale, block, warps)
 
 
 def _forward(x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
     # contiguous inputs (the caller's): rows d apart, channels rows * d apart
     n = h.numel() // p.d
     out = torch.empty_like(x, dtype=h.dtype)
-    _, eps2, inv_sqrt_d, gamma = p.consts
     _forward_kernel[(n,)](
         x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, out,
-        n * p.d, p.d, eps2, inv_sqrt_d, gamma,
+        n * p.d, p.d, p.eps2, p.inv_sqrt_d, p.gamma,
         CHANNELS=p.channels, LEARNED=p.learned, STRENGTH=alpha is not None, BLOCK=p.block, num_warps=p.num_warps,
     )  # fmt: skip
     return out
@@ -207,11 +208,10 @@ class SiteWrite(torch.autograd.Function):
         dkr = dh if kr is None else torch.empty_like(kr)
         unit = torch.empty((n, d), dtype=torch.float32, device=h.device)
         dgu = torch.empty((n, p.channels + 2), dtype=torch.float32, device=h.device)
-        _, eps2, inv_sqrt_d, gamma = p.consts
         _backward_kernel[(n,)](
             x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, grad,
             dx, dc, dh, dkr, unit, dgu,
-            n * d, d, eps2, inv_sqrt_d, gamma,
+            n * d, d, p.eps2, p.inv_sqrt_d, p.gamma,
             CHANNELS=p.channels, LEARNED=kr is not None, STRENGTH=alpha is not None, BLOCK=p.block,
             num_warps=p.num_warps,
         )  # fmt: skip
@@ -256,17 +256,8 @@ def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tens
     else:
         kr = None
     # the kernels read rows d apart: contiguous() is the tensor itself where it already is (a decode step's)
-    inputs = (
-        x.contiguous(),
-        c.contiguous(),
-        h.contiguous(),
-        kr,
-        wg.contiguous(),
-        bg.contiguous(),
-        wt.contiguous(),
-        bt.contiguous(),
-        alpha,
-    )
+    inputs = (x.contiguous(), c.contiguous(), h.contiguous(), kr, wg.contiguous(), bg.contiguous(),
+              wt.contiguous(), bt.contiguous(), alpha)  # fmt: skip
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return SiteWrite.apply(*inputs, p)
     return _forward(*inputs, p)

@@ -3,6 +3,7 @@ counts more kernels for a converted tiny Llama than for its original; benchmarks
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.models import tiny_model
 from helpers.training import subprocess_env
 
@@ -28,6 +30,7 @@ def _script(name: str):
     """A benchmark script imported as a module (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
@@ -126,3 +129,27 @@ def test_site_call_times_the_formula_beside_its_yardsticks():
     # a site's formula is a few dozen ops: dearer than one add (the fused row needs CUDA)
     assert times["site, formula"][0] > times["residual add (yardstick)"][0]
     assert "site, fused: deltafy.fused.supported() is False" in proc.stdout
+
+
+@pytest.fixture
+def convert_fuses(monkeypatch):
+    """deltafy.convert as it behaves where CUDA and triton are: every site on the fused path."""
+    import deltafy.fused
+    import deltafy.surgery
+
+    monkeypatch.setattr(deltafy.surgery, "enable_where_available", lambda m: deltafy.fused.enable(m, force=True))
+
+
+def test_the_reference_column_is_the_formula_where_convert_fuses(convert_fuses, monkeypatch):
+    kernels = _script("kernel_count")
+    result = kernels.count_kernels(tiny_model("llama-tied"), phases=("decode",), decode_steps=2)
+    counts = kernels.derived(result, "decode")
+    assert counts["per_site"] > 10  # the formula's dozens of ops, not the fused path's one launch
+    assert result["counts"]["decode"]["fused"] == result["counts"]["decode"]["original"] + 4
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # gpu.py imports its neighbour speed.py
+    gpu = _script("gpu")
+    args = argparse.Namespace(dtype=torch.float32, device="cpu", recipe="ddl-scalar", force_fused=False)
+    run = gpu.ModelRun(gpu.Bench(args, gpu.SMALL, gpu.Table()), "tiny-llama")
+    sites = [m for m in run.models["reference"].modules() if type(m).__name__ == "DeltaSite"]
+    assert sites and all("fused" not in vars(site) for site in sites)
