@@ -39,11 +39,10 @@ def _positive(value) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
-@pytest.fixture(scope="module")
-def gpu_cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu") / "cells.json"
+def _run(script: str, *args: str) -> str:
+    """A benchmark script's stdout, run as a user runs it (from the repository root); it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--cpu", "--json", str(out)],
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,
@@ -52,7 +51,13 @@ def gpu_cpu_run(tmp_path_factory):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def gpu_cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "cells.json"
+    return _run("gpu.py", "--cpu", "--json", str(out)), json.loads(out.read_text())
 
 
 def test_gpu_script_on_cpu_prints_every_row_with_the_targets(gpu_cpu_run):
@@ -107,17 +112,8 @@ def test_kernel_counts_of_a_tiny_llama():
 
 
 def test_site_call_times_the_formula_beside_its_yardsticks():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/site_call.py", "--width", "64", "--calls", "20", "--rounds", "2"],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    stdout = _run("site_call.py", "--width", "64", "--calls", "20", "--rounds", "2")
+    lines = stdout.splitlines()
     assert "cpu float32, shape (1, 1, 64)" in lines[0]
     times = {}
     for line in lines[2:]:
@@ -128,7 +124,7 @@ def test_site_call_times_the_formula_beside_its_yardsticks():
         assert 0 < issue <= total and math.isfinite(total)
     # a site's formula is a few dozen ops: dearer than one add (the fused row needs CUDA)
     assert times["site, formula"][0] > times["residual add (yardstick)"][0]
-    assert "site, fused: deltafy.fused.supported() is False" in proc.stdout
+    assert "site, fused: deltafy.fused.supported() is False" in stdout
 
 
 @pytest.fixture
