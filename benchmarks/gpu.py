@@ -58,6 +58,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -669,6 +670,8 @@ def main() -> None:
     args.budget = args.budget if args.budget is not None else args.deadline * 0.72
     shapes = SMALL if small else FULL
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    # peft reads a deprecated transformers attribute on every LoRA model it builds (deltafy's CLI drops it too)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "no GPU (CPU run)"
     import peft

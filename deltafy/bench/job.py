@@ -149,7 +149,7 @@ def run_bench(
 def refuse_shared_text(train_files: list[str], held_files: list[str]) -> None:
     """The held-out text must not be trained on: refuse a file of --eval-data whose bytes are those of a
     file of --data, whatever either is called (a copy under another name, a link)."""
-    from ..sources.load import sha256_file
+    from ..sources.provenance import sha256_file
 
     trained = {sha256_file(Path(f)): f for f in train_files if Path(f).is_file()}
     for file in held_files:

@@ -28,7 +28,8 @@ from ..checkpoint import head_tensors
 from ..errors import DeltafyError
 from ..options import Recipe
 from ..sources.folders import size
-from ..sources.load import NO_REMOTE_CODE, load_config, local_provenance, resolve_dtype, source_tokenizer
+from ..sources.load import NO_REMOTE_CODE, load_config, resolve_dtype, source_tokenizer
+from ..sources.provenance import local_provenance
 from ..sources.shards import INDEX_FILE, Entry, read_header, read_tensor, weight_files, write_file
 from ..surgery import convert
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError
-from .load import cache_dir, sha256_file
+from .load import cache_dir
+from .provenance import sha256_file
 
 log = logging.getLogger(__name__)
 

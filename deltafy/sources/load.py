@@ -16,6 +16,7 @@ import torch
 from ..architectures import layout_for
 from ..errors import DeltafyError, first_line
 from ..quiet import quiet_transformers
+from .provenance import card_license, gguf_provenance, hub_license, local_provenance, sha256_file, with_license
 
 log = logging.getLogger(__name__)
 
@@ -48,52 +49,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deltafy"
     )
     return Path(root)
-
-
-def sha256_file(path: Path) -> str:
-    # The checkpoint's own code hashes a heads-only checkpoint's base the same way: one implementation.
-    from ..modeling_deltafy import sha256_files
-
-    return sha256_files([Path(path)])[Path(path).name]
-
-
-def _card_license(readme: str | Path | None) -> str | None:
-    """The ``license`` of a model card's front matter, when there is one to read."""
-    from huggingface_hub import metadata_load
-
-    try:
-        license_ = metadata_load(readme).get("license") if readme else None
-    except Exception:  # no card, no front matter or bad YAML: the license is simply unknown
-        return None
-    return license_ if isinstance(license_, str) else None
-
-
-def _gguf_license(path: Path) -> str | None:
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(str(path)).fields.get("general.license")
-        value = field.contents() if field is not None else None
-    except Exception:  # an old gguf without contents(), or metadata it cannot parse
-        return None
-    return value if isinstance(value, str) and value else None
-
-
-def _hub_license(repo_id: str, revision: str | None) -> str | None:
-    """The license on a Hub model's card: from the local cache, else fetched (a few KB) unless offline."""
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-
-    try:
-        readme = try_to_load_from_cache(repo_id, "README.md", revision=revision)
-        if not isinstance(readme, str) and not constants.HF_HUB_OFFLINE:
-            readme = hf_hub_download(repo_id, "README.md", revision=revision)
-    except Exception:  # no card on the Hub, or no connection: the license is unknown, not an error
-        return None
-    return _card_license(readme) if isinstance(readme, str) else None
-
-
-def _with_license(provenance: dict, license_: str | None) -> dict:
-    return provenance | {"license": license_} if license_ else provenance
 
 
 def resolve_alias(name: str) -> Path:
@@ -311,7 +266,7 @@ def gguf_folder(source: str) -> tuple[Path | None, dict]:
     a conversion of it records."""
     path = resolve_alias(source) if source in ALIASES else Path(source).expanduser()
     cached, digest = gguf_cache(path)
-    provenance = _gguf_provenance(path, digest)
+    provenance = gguf_provenance(path, digest)
     if source in ALIASES:
         provenance |= {"kind": "alias", "alias": source, "package": ALIASES[source][0]}
         if source in ALIAS_BASE_MODELS:
@@ -335,21 +290,6 @@ def load_gguf(source: str, dtype: str) -> Source:
         loaded = _load_pretrained(str(cached), source, dtype if dtype != "auto" else "float32", local_files_only=True)
     loaded.provenance = provenance
     return loaded
-
-
-def _gguf_provenance(path: Path, digest: str) -> dict:
-    # A file name and its hash identify it; the folder it sits in is this machine's business.
-    return _with_license({"kind": "gguf", "source": path.name, "sha256": digest}, _gguf_license(path))
-
-
-def local_provenance(path: Path) -> dict:
-    provenance = {
-        "kind": "local",
-        "source": path.resolve().name,  # the folder's name, never its place on this machine
-        "config_sha256": sha256_file(path / "config.json"),
-    }
-    readme = path / "README.md"
-    return _with_license(provenance, _card_license(readme) if readme.is_file() else None)
 
 
 def load_source(source: str, dtype: str = "auto") -> Source:
@@ -383,8 +323,8 @@ def load_source(source: str, dtype: str = "auto") -> Source:
     resolved = hub_revision(source, f"{source!r}")
     loaded = _load_pretrained(source, f"{source!r}", dtype, local_files_only=False, revision=resolved)
     revision = getattr(resolved, "resolved", None) or getattr(loaded.model.config, "_commit_hash", None)
-    loaded.provenance = _with_license(
-        {"kind": "hub", "source": source, "revision": revision}, _hub_license(source, revision)
+    loaded.provenance = with_license(
+        {"kind": "hub", "source": source, "revision": revision}, hub_license(source, revision)
     )
     return loaded
 
@@ -432,4 +372,4 @@ def download_snapshot(source: str) -> tuple[Path, dict] | None:
     commit = folder.name  # snapshots/<commit>
     readme = folder / "README.md"
     provenance = {"kind": "hub", "source": source, "revision": commit}
-    return folder, _with_license(provenance, _card_license(readme) if readme.is_file() else None)
+    return folder, with_license(provenance, card_license(readme) if readme.is_file() else None)

@@ -13,7 +13,8 @@ from huggingface_hub import ModelCard, metadata_load
 
 import deltafy
 from deltafy.card import model_card
-from deltafy.sources.load import ALIAS_BASE_MODELS, ALIASES, load_source, sha256_file
+from deltafy.sources.load import ALIAS_BASE_MODELS, ALIASES, load_source
+from deltafy.sources.provenance import sha256_file
 from deltafy.training.plots import beta_figure, plot_betas, plot_training, write_training_figures
 
 CHECK = {

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from deltafy.errors import DeltafyError
-from deltafy.sources.load import load_source, resolve_alias, sha256_file
+from deltafy.sources.load import load_source, resolve_alias
+from deltafy.sources.provenance import sha256_file
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = pytest.mark.slow
