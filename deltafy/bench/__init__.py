@@ -9,8 +9,9 @@ lr-<m>x/`` (the sweep, seed 0, validated on the held-out share of ``data``), ``r
 ``bench.png``. A sweep run keeps only its metrics and run record: its model was only ever scored.
 """
 
-from .arms import ARMS
+from .arms import ARMS, extended
 from .folder import BENCH_FILE, PLOT_FILE
-from .job import BenchResult, extended, refuse_shared_text, run_bench
+from .job import BenchResult, run_bench
+from .settings import refuse_shared_text
 
 __all__ = ["ARMS", "BENCH_FILE", "PLOT_FILE", "BenchResult", "extended", "refuse_shared_text", "run_bench"]

@@ -1,4 +1,5 @@
-"""The arms of ``deltafy bench`` as data, and the LoRA ranks that match their parameter budgets."""
+"""The arms of ``deltafy bench`` as data, the LoRA ranks that match their parameter budgets, and the rates
+they sweep."""
 
 from __future__ import annotations
 
@@ -91,6 +92,30 @@ def needed(arms: list[str]) -> list[str]:
 def recipes_for(arms: list[str]) -> list[str]:
     """Every recipe the arms train or count with: a LoRA arm matched to ``learned`` counts its heads."""
     return list(dict.fromkeys(ARMS[name].recipe for name in needed(arms)))
+
+
+def swept(names: list[str]) -> list[str]:
+    """The arms a bench of ``names`` sweeps: each one, and each arm whose heads' rate one borrows."""
+    return list(dict.fromkeys(n for name in names for n in (ARMS[name].heads_lr_from, name) if n is not None))
+
+
+def extended(grid: list[float], best: float) -> float | None:
+    """The next multiplier past the end of the sorted ``grid`` where ``best`` sits, a step of the
+    ratio between that end and its neighbour (3 significant digits: folder names stay readable)."""
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return None
+    end, neighbour = (grid[-1], grid[-2]) if best == grid[-1] else (grid[0], grid[1])
+    return float(f"{end * end / neighbour:.3g}")
+
+
+def rates_of(name: str, options) -> dict:
+    """The learning rates (and LoRA rank) a run of arm ``name`` records, from its options."""
+    train = ARMS[name].train
+    return {
+        "lr": options.lr if train in HEAD_MODES else options.lora_lr,
+        "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate, and the base weights')
+        "lora_r": options.lora_r if "lora" in train else None,
+    }
 
 
 def nearest_rank(target: int, per_rank: int) -> int:

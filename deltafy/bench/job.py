@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import DeltafyError, Interrupted
-from .arms import ARMS, Budgets, needed, parse_arms, rate_label, recipes_for
+from .arms import ARMS, Budgets, extended, needed, parse_arms, rate_label, rates_of, recipes_for, swept
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
-from .settings import check, data_fingerprints, default_eval_every, options_for
+from .settings import check, data_fingerprints, default_eval_every, options_for, refuse_shared_text
 from .table import Comparison, Row, comparisons, row_of
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
@@ -129,7 +129,7 @@ def run_bench(
         bench = _Bench(out, state, models, budgets, data, eval_data, isolate, status, report, lrs, extend, sweep_seeds)
         # a sweep's points: --lrs for each arm swept, and for one that borrows its heads' rate (ddl+lora) a
         # second line, whose point at the borrowed rate the first line ran
-        points = len(lrs) * len(_swept(names)) + (len(lrs) - 1) * sum(ARMS[n].heads_lr_from is not None for n in names)
+        points = len(lrs) * len(swept(names)) + (len(lrs) - 1) * sum(ARMS[n].heads_lr_from is not None for n in names)
         bench.total = len(names) * seeds + (points if len(lrs) > 1 else 0) * sweep_seeds
         try:
             with unwinding():
@@ -144,35 +144,6 @@ def run_bench(
             ) from None
         report(bench.total, bench.total, "done")
         return bench.result(names, seeds)
-
-
-def refuse_shared_text(train_files: list[str], held_files: list[str]) -> None:
-    """The held-out text must not be trained on: refuse a file of --eval-data whose bytes are those of a
-    file of --data, whatever either is called (a copy under another name, a link)."""
-    from ..sources.provenance import sha256_file
-
-    trained = {sha256_file(Path(f)): f for f in train_files if Path(f).is_file()}
-    for file in held_files:
-        twin = trained.get(sha256_file(Path(file))) if Path(file).is_file() else None
-        if twin is not None:
-            raise DeltafyError(
-                f"--eval-data {file} holds the same text as --data {twin}: the held-out text must not be trained "
-                f"on; hold out other text"
-            )
-
-
-def _swept(names: list[str]) -> list[str]:
-    """The arms a bench of ``names`` sweeps: each one, and each arm whose heads' rate one borrows."""
-    return list(dict.fromkeys(n for name in names for n in (ARMS[name].heads_lr_from, name) if n is not None))
-
-
-def extended(grid: list[float], best: float) -> float | None:
-    """The next multiplier past the end of the sorted ``grid`` where ``best`` sits, a step of the
-    ratio between that end and its neighbour (3 significant digits: folder names stay readable)."""
-    if len(grid) < 2 or best not in (grid[0], grid[-1]):
-        return None
-    end, neighbour = (grid[-1], grid[-2]) if best == grid[-1] else (grid[0], grid[1])
-    return float(f"{end * end / neighbour:.3g}")
 
 
 def _device() -> str:
@@ -345,7 +316,7 @@ class _Bench:
         point = (name, multiplier, heads, seed)
         self.state["sweep"] = [r for r in self.state["sweep"] if _point(r) != point]  # an unfinished try's
         options = self.options(name, multiplier, heads, seed, validation=True)
-        record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), "seed": seed, **_lrs(name, options)}
+        record = {"arm": name, "lr_multiplier": multiplier, **_heads(heads), "seed": seed, **rates_of(name, options)}
         record["path"] = str(folder.resolve())
         try:  # no eval data: run_training validates on its held-out share of the training text
             numbers = train_run(self.models[ARMS[name].recipe], self.data, folder, options, None, self.isolate)
@@ -374,7 +345,7 @@ class _Bench:
             "train": arm.train,
             "lr_multiplier": multiplier,
             **_heads(heads),
-            **_lrs(name, options),
+            **rates_of(name, options),
             **numbers,
             "delta": numbers["loss_after"] - numbers["loss_before"],
             "peak_memory_kind": memory_kind(self.isolate) if numbers["peak_memory_bytes"] is not None else None,
@@ -435,17 +406,6 @@ def _point(record: dict) -> tuple[str, float, float | None, int]:
 def _heads(multiplier: float | None) -> dict:
     """The heads' own multiplier, recorded only where it is not the run's ``lr_multiplier``."""
     return {} if multiplier is None else {"heads_lr_multiplier": multiplier}
-
-
-def _lrs(name: str, options) -> dict:
-    from ..options import HEAD_MODES
-
-    train = ARMS[name].train
-    return {
-        "lr": options.lr if train in HEAD_MODES else options.lora_lr,
-        "lora_lr": options.lora_lr if train != "heads" else None,  # (ia3's rate, and the base weights')
-        "lora_r": options.lora_r if "lora" in train else None,
-    }
 
 
 __all__ = ["ARMS", "BenchResult", "Row", "run_bench"]
