@@ -5,16 +5,41 @@ CLI installs these before it imports torch, so an interrupt during start-up is h
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 received: int | None = None  # the last signal that interrupted this process
+REDELIVER_AFTER = 0.05  # seconds
 
 
 def _interrupt(signum, frame):
     global received
     received = signum
     raise KeyboardInterrupt
+
+
+def _swallowed(unraisable) -> None:
+    """sys.unraisablehook: Python ignores an exception raised in a finalizer (a ``__del__``, a weakref
+    callback), so an interrupt whose handler ran there would be lost and the command would go on to the
+    end. The signal is sent again a moment later, when the finalizer has returned."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and received is not None:
+        timer = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), received))
+        timer.daemon = True
+        timer.start()
+    else:
+        _previous_hook(unraisable)
+
+
+_previous_hook = sys.unraisablehook
+
+
+def _hook_finalizers() -> None:
+    global _previous_hook
+    if sys.unraisablehook is not _swallowed:
+        _previous_hook, sys.unraisablehook = sys.unraisablehook, _swallowed
 
 
 def note(signum: int) -> None:
@@ -29,6 +54,7 @@ def install() -> None:
     received = None  # (main() may run more than once in a process: tests, embedding)
     for signum in SIGNALS:
         signal.signal(signum, _interrupt)
+    _hook_finalizers()
 
 
 @contextlib.contextmanager
@@ -40,9 +66,12 @@ def unwinding():
     except ValueError:  # not the main thread: signals stay as they are
         yield
         return
+    hook = sys.unraisablehook
+    _hook_finalizers()
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
 

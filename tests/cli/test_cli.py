@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -596,3 +597,30 @@ def test_a_signal_that_surfaces_as_another_error_during_start_up_is_an_interrupt
     monkeypatch.setattr(quiet, "quiet_third_parties", lambda: (_ for _ in ()).throw(ImportError("broken")))
     with pytest.raises(ImportError, match="broken"):
         main(["recipes"])
+
+
+def test_an_interrupt_that_lands_in_a_finalizer_is_delivered_again():
+    """Python ignores an exception raised in a __del__, so a SIGTERM whose handler ran inside one was lost
+    (seen: a bench sent SIGTERM while converting ran to the end and exited 0). It is sent again."""
+    from deltafy import interrupts
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # bytecodes: the handler runs here, inside the finalizer
+                pass
+
+    handlers = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
+    hook = sys.unraisablehook
+    try:
+        interrupts.install()
+        with pytest.raises(KeyboardInterrupt):
+            Finalized()  # dropped at once: its __del__ runs here
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert interrupts.received == signal.SIGTERM
+    finally:
+        sys.unraisablehook = hook
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
