@@ -4,6 +4,7 @@ of the original layer it sits in.
     python benchmarks/site_call.py                       # CPU, fp32: the formula, a norm, a residual add
     python benchmarks/site_call.py --device cuda         # bf16: the fused path too
     python benchmarks/site_call.py --width 2048 --calls 2000
+    python benchmarks/site_call.py --device cuda --decode   # and per site in a decode step, split up
 
 A batch-1 decode step is host-bound on a GPU: every module call and kernel launch costs the CPU a few
 microseconds while the GPU waits. kernel_count.py counts launches; this times what issuing them costs.
@@ -12,18 +13,26 @@ called --calls times in a row with no autograd; "issue" is the host's time per c
 returned, "total" until the device finished too (their difference is how far the GPU trailed). Yardsticks
 from the original model's own layer: a LlamaRMSNorm call (one module, a few kernels) and the residual
 add (one kernel). Rows alternate round by round; the median of --rounds rounds is printed.
+
+--decode also times batch-1 decoding (KV cache, a synchronize after each token) of a random Llama of
+this width (--layers, two sites a layer) and splits what the conversion adds per site and token: the
+capture and write around the two modules each site hooks alone (every site's write returns h), the
+formula, and the fused path.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
+from speed import cache_kwarg  # (benchmarks/ is on the path of a script run from it)
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+import deltafy
 import deltafy.fused
 from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec
 
@@ -51,12 +60,73 @@ def timed(fn, calls: int, sync) -> tuple[float, float]:
     return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
 
 
+def _returns_h(site, x, c, h):
+    return h
+
+
+def decode_costs(args, device: str, dtype: torch.dtype, sync) -> tuple[dict[str, float], int]:
+    """Median µs per decoded token of each variant, and the number of sites."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    heads = max(1, args.width // 64)
+    config = LlamaConfig(
+        hidden_size=args.width,
+        intermediate_size=2 * args.width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=256,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        original = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    variants = {"original": original}
+    for name in ("capture and write alone", "formula", "fused"):
+        if name == "fused" and not deltafy.fused.supported(device):
+            continue
+        model = deltafy.convert(copy.deepcopy(original), "ddl-scalar").eval()
+        deltafy.fused.disable(model)  # (convert turns the fused path on where CUDA and triton are)
+        sites = [m for m in model.modules() if isinstance(m, DeltaSite)]
+        with torch.no_grad():
+            for module in sites:
+                module.strength.fill_(1.0)
+                module.gate.bias.fill_(0.0)  # open gates: the work a trained site does
+        if name == "capture and write alone":
+            for module in sites:
+                module.fused = _returns_h
+        elif name == "fused":
+            deltafy.fused.enable(model)
+        variants[name] = model
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    kwarg = cache_kwarg(original)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):  # round 0 warms up
+            names = list(variants)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                model, cache = variants[name], DynamicCache(config=config)
+                token = model(input_ids=prompt, **{kwarg: cache}).logits[:, -1:].argmax(-1)
+                steps = []
+                for _ in range(args.tokens):
+                    sync()
+                    start = time.perf_counter()
+                    token = model(input_ids=token, **{kwarg: cache}).logits[:, -1:].argmax(-1)
+                    sync()
+                    steps.append(time.perf_counter() - start)
+                if r:
+                    times[name].append(statistics.median(steps) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}, 2 * args.layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--width", type=int, default=576, help="hidden size (SmolLM2-135M: 576)")
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--decode", action="store_true", help="also split a decode step's cost per site")
+    parser.add_argument("--layers", type=int, default=30, help="--decode: the model's layers (SmolLM2: 30)")
+    parser.add_argument("--tokens", type=int, default=16, help="--decode: tokens decoded a round")
     args = parser.parse_args()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -90,6 +160,13 @@ def main() -> None:
         print(f"{name:26s} {issue:9.1f} {total:9.1f}")
     if "site, fused" not in rows:
         print("  site, fused: deltafy.fused.supported() is False here (CUDA with triton runs it)")
+    if args.decode:
+        per_token, sites = decode_costs(args, device, dtype, sync)
+        base = per_token["original"]
+        print(f"\ndecode, batch 1: a {args.layers}-layer Llama of width {args.width}, {sites} sites")
+        print(f"{'model':26s} {'us/token':>9s} {'+us/site':>9s}")
+        for name, us in per_token.items():
+            print(f"{name:26s} {us:9.0f} {(us - base) / sites:9.1f}")
 
 
 if __name__ == "__main__":
