@@ -62,7 +62,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from speed import bundled_smollm2, load_smollm2, open_gates  # (benchmarks/ is on the path of a script run from it)
+from speed import load_smollm2, open_gates, smollm2_label  # (benchmarks/ is on the path of a script run from it)
 
 import deltafy
 import deltafy.fused
@@ -263,8 +263,7 @@ def load(name: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if name == "smollm2":
-        if not bundled_smollm2():
-            LABELS[name] = "SmolLM2-135M (random)"
+        LABELS[name] = smollm2_label()
         return load_smollm2(dtype, device)
     shapes = {"llama-1b": LLAMA_1B, "tiny-llama": LLAMA_TINY}
     if name not in shapes:

@@ -392,10 +392,9 @@ def derived(result: dict, phase: str) -> dict:
 # -- the command line ----------------------------------------------------------------------------
 def load(name: str, dtype: torch.dtype):
     if name == "smollm2":
-        from speed import bundled_smollm2, load_smollm2  # (benchmarks/ is on the path of a script run from it)
+        from speed import load_smollm2, smollm2_label  # (benchmarks/ is on the path of a script run from it)
 
-        if not bundled_smollm2():
-            LABELS[name] = "SmolLM2-135M (random)"
+        LABELS[name] = smollm2_label()
         return load_smollm2(dtype)
     if name == "gpt2":
         from transformers import AutoModelForCausalLM, GPT2Config

@@ -28,7 +28,7 @@ import statistics
 import time
 
 import torch
-from speed import cache_kwarg  # (benchmarks/ is on the path of a script run from it)
+from speed import cache_kwarg, open_gates  # (benchmarks/ is on the path of a script run from it)
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -41,11 +41,7 @@ def site(width: int, device: str, dtype: torch.dtype) -> DeltaSite:
     one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
     spec = DeltaSpec(layers="model.layers", hidden_size=width, sites=(one,), gate="strength")
     module = DeltaSite(spec, one).to(device=device, dtype=dtype)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # open gates and targets: the work a trained site does
-        for p in module.parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=generator))
-        module.strength.fill_(1.0)
+    open_gates(module)  # the work a trained site does
     return module
 
 
@@ -86,14 +82,11 @@ def decode_costs(args, device: str, dtype: torch.dtype, sync) -> tuple[dict[str,
             continue
         model = deltafy.convert(copy.deepcopy(original), "ddl-scalar").eval()
         deltafy.fused.disable(model)  # (convert turns the fused path on where CUDA and triton are)
-        sites = [m for m in model.modules() if isinstance(m, DeltaSite)]
-        with torch.no_grad():
-            for module in sites:
-                module.strength.fill_(1.0)
-                module.gate.bias.fill_(0.0)  # open gates: the work a trained site does
+        open_gates(model)
         if name == "capture and write alone":
-            for module in sites:
-                module.fused = _returns_h
+            for module in model.modules():
+                if isinstance(module, DeltaSite):
+                    module.fused = _returns_h
         elif name == "fused":
             deltafy.fused.enable(model)
         variants[name] = model

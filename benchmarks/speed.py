@@ -62,6 +62,11 @@ def bundled_smollm2() -> bool:
         return False
 
 
+def smollm2_label() -> str:
+    """How a table names the SmolLM2 it ran: the bundled weights, or random ones of its shape."""
+    return "SmolLM2-135M" if bundled_smollm2() else "SmolLM2-135M (random)"
+
+
 def load_smollm2(dtype: torch.dtype, device: str = "cpu"):
     """SmolLM2-135M: the bundled real weights, or random weights of its shape (saying so on stderr)."""
     if bundled_smollm2():

@@ -102,7 +102,6 @@ def run_bench(
     isolate = not _cuda() if isolate is None else isolate
 
     from .. import interrupts
-    from ..interrupts import unwinding
     from ..training.run_folder import RunLock
 
     with RunLock(out) as lock:
@@ -132,7 +131,7 @@ def run_bench(
         points = len(lrs) * len(swept(names)) + (len(lrs) - 1) * sum(ARMS[n].heads_lr_from is not None for n in names)
         bench.total = len(names) * seeds + (points if len(lrs) > 1 else 0) * sweep_seeds
         try:
-            with unwinding():
+            with interrupts.unwinding():
                 for name in names:
                     bench.arm(name, seeds)
         except KeyboardInterrupt:
