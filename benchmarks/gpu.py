@@ -3,6 +3,7 @@
     bash benchmarks/gpu.sh                          # a CUDA machine (an H200: under 8 minutes, --deadline)
     python benchmarks/gpu.py --cpu                  # the same on CPU, tiny shapes (CI runs it; well under a minute)
     python benchmarks/gpu.py --models smollm2 --skip compiled
+    python benchmarks/gpu.py --only compiled        # the compiled rows alone
     python benchmarks/gpu.py --quick                # tiny shapes on the GPU: a smoke test of every cell
     TRITON_INTERPRET=1 python benchmarks/gpu.py --cpu --force-fused   # the fused kernel interpreted (its error)
     python benchmarks/gpu.py --json out.json        # the table's cells as JSON too
@@ -32,7 +33,8 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     peak allocation above what was allocated when it began (so the other variants that
                     are resident do not count), GiB; CUDA only.
   max |dlogits|     fused vs reference on a 2 x 256 [1 x 32] batch (baseline column: max |logits|; ratio:
-                    relative to it).
+                    relative to it); "compiled": the compiled fused model vs the eager one on the prefill
+                    batch (under torch.compile the fused kernels are custom ops in the graph).
 "ratio" is variant/baseline. A cell that fails prints error (its first line is listed under the table) and
 the run goes on; --deadline (GPU default 440 s) stops it, printing what it has, so that it never hangs. The
 compiled rows run after every eager one, batch-1 decode first; one that would start after --budget seconds
@@ -120,6 +122,7 @@ MEASURES = {
     "train memory vs full": ("GiB", "full FT", None),
     "train memory vs LoRA": ("GiB", "LoRA r=8", ("<=", 1.10)),
     "max |dlogits|": ("abs", "max|logits|", None),
+    "max |dlogits| compiled": ("abs", "max|logits|", None),
 }
 COLUMNS = {"baseline": "original", "reference": "reference", "fused": "fused"}  # column -> variant
 TRAIN_MEASURES = ("train step vs full", "train step vs LoRA", "train memory vs full", "train memory vs LoRA")
@@ -177,14 +180,14 @@ class Table:
 
     def render(self) -> str:
         head = (
-            f"{'model':22s} {'measure':21s} {'unit':5s} {'vs':>11s} {'baseline':>10s} {'reference':>10s}"
+            f"{'model':22s} {'measure':22s} {'unit':5s} {'vs':>11s} {'baseline':>10s} {'reference':>10s}"
             f" {'ratio':>6s} {'fused':>10s} {'ratio':>6s} {'target':>7s} {'met':>17s}"
         )
         lines = [head, "-" * len(head)]
         for row in list(self.rows.values()):
             unit, base_label, target = MEASURES[row.measure]
             ratios = {c: row.ratio(c) for c in ("reference", "fused")}
-            if row.measure == "max |dlogits|":
+            if row.measure.startswith("max |dlogits|"):
                 ref_cell = f"{'-':>10s}"
             else:
                 ref_cell = self.cell(row.cells.get("reference"), 10)
@@ -197,7 +200,7 @@ class Table:
                         ok = r >= bound if op == ">=" else r <= bound
                         met.append(f"{short} {'yes' if ok else 'NO'}")
             lines.append(
-                f"{LABELS.get(row.model, row.model):22s} {row.measure:21s} {unit:5s} {base_label:>11s}"
+                f"{LABELS.get(row.model, row.model):22s} {row.measure:22s} {unit:5s} {base_label:>11s}"
                 f" {self.cell(row.cells.get('baseline'), 10)} {ref_cell} {_ratio(ratios['reference'])}"
                 f" {self.cell(row.cells.get('fused'), 10)} {_ratio(ratios['fused'])}"
                 f" {(target[0] + str(target[1])) if target else '-':>7s} {', '.join(met) or '-':>17s}"
@@ -334,6 +337,8 @@ class Bench:
 
         if any(word in measure for word in self.args.skip for measure in measures):
             return mark("skipped (--skip)")
+        if self.args.only and not any(word in measure for word in self.args.only for measure in measures):
+            return mark("not run (--only)")
         if compiled and not self.args.compile:
             return mark("compiled rows off" + (" on CPU (--compile runs them)" if not self.cuda else " (--no-compile)"))
         if compiled and self.elapsed() > self.args.budget:
@@ -360,9 +365,12 @@ class Bench:
                 self.table.set(model, measure, column, value)
 
     # prefill -----------------------------------------------------------------------------------
-    def prefill(self, calls: dict, vocab: int) -> dict:
+    def prefill_ids(self, vocab: int) -> torch.Tensor:
         b, t = self.shapes.prefill
-        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0)).to(self.device)
+        return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0)).to(self.device)
+
+    def prefill(self, calls: dict, vocab: int) -> dict:
+        ids = self.prefill_ids(vocab)
         times = {name: [] for name in calls}
         dropped: dict[str, str] = {}
         with torch.inference_mode():
@@ -551,16 +559,6 @@ class ModelRun:
             out.setdefault("fused", self.fused_note)
         return out
 
-    def traced(self) -> dict:
-        """The variants torch.compile gives distinct graphs: the fused path traces the formula (its kernels
-        are opaque to the compiler), so a compiled fused copy is the compiled reference, compiled again."""
-        return {variant: model for variant, model in self.models.items() if variant != "fused"}
-
-    def compiled_columns(self, per_variant: dict) -> dict:
-        out = self.by_column(per_variant)
-        out.setdefault("fused", "under torch.compile the fused path traces the formula: the reference column")
-        return out
-
     def eager(self) -> None:
         b, name = self.bench, self.name
         b.run(name, "max |dlogits|", lambda: {"max |dlogits|": self.dlogits()})
@@ -579,17 +577,23 @@ class ModelRun:
         elif stage == 1:
 
             def prefill():
-                calls = {variant: torch.compile(model) for variant, model in self.traced().items()}
-                return {"prefill compiled": self.compiled_columns(b.prefill(calls, self.vocab))}
+                calls = {variant: torch.compile(model) for variant, model in self.models.items()}
+                out = {"prefill compiled": self.by_column(b.prefill(calls, self.vocab))}
+                if "fused" in calls:  # the graphs just compiled, on the same tokens: the op in a graph is right
+                    out["max |dlogits| compiled"] = self.max_dlogits(
+                        calls["fused"], self.models["fused"], b.prefill_ids(self.vocab)
+                    )
+                return out
 
-            b.run(name, "prefill compiled", prefill, compiled=True)
+            measures = ["prefill compiled", "max |dlogits| compiled"]
+            b.run(name, measures, prefill, compiled=True)
         else:
             for batch in rest:
                 self._compiled_decode(batch)
 
     def _compiled_decode(self, batch: int) -> None:
         measure = f"decode b{batch} compiled"
-        fn = lambda: {measure: self.compiled_columns(self.bench.decode(self.traced(), batch, True))}  # noqa: E731
+        fn = lambda: {measure: self.by_column(self.bench.decode(self.models, batch, True))}  # noqa: E731
         self.bench.run(self.name, measure, fn, compiled=True)
 
     def dlogits(self) -> dict:
@@ -597,11 +601,15 @@ class ModelRun:
             return {"baseline": self.fused_note, "fused": self.fused_note}
         b, t = self.bench.shapes.logits
         ids = torch.randint(0, self.vocab, (b, t), generator=torch.Generator().manual_seed(3))
-        ids = ids.to(self.bench.device)
+        return self.max_dlogits(self.models["fused"], self.models["reference"], ids.to(self.bench.device))
+
+    @staticmethod
+    def max_dlogits(call, against, ids: torch.Tensor) -> dict:
+        """The fused column: max |logits of call - logits of against|; the baseline: max |logits of against|."""
         with torch.inference_mode():
-            ref = self.models["reference"](input_ids=ids, use_cache=False).logits.float()
-            fused = self.models["fused"](input_ids=ids, use_cache=False).logits.float()
-        return {"baseline": ref.abs().max().item(), "fused": (fused - ref).abs().max().item()}
+            want = against(input_ids=ids, use_cache=False).logits.float()
+            got = call(input_ids=ids, use_cache=False).logits.float()
+        return {"baseline": want.abs().max().item(), "fused": (got - want).abs().max().item()}
 
     def train(self) -> dict:
         """Full FT, LoRA r=8 and heads-only (reference, fused) side by side: the four train rows."""
@@ -652,6 +660,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="the compiled rows")
     parser.add_argument("--skip", default="", help="comma-separated words; a row whose measure holds one is skipped")
+    parser.add_argument("--only", default="", help="comma-separated words; only rows whose measure holds one run")
     parser.add_argument("--force-fused", action="store_true", help="deltafy.fused.enable(force=True)")
     parser.add_argument("--budget", type=float, default=None, help="no compiled cell starts after this many s")
     parser.add_argument("--deadline", type=float, default=None, help="stop, printing the table, after this many s")
@@ -665,6 +674,7 @@ def main() -> None:
     args.dtype = getattr(torch, args.dtype or ("float32" if small else "bfloat16"))
     args.compile = args.device == "cuda" if args.compile is None else args.compile
     args.skip = [s for s in args.skip.split(",") if s]
+    args.only = [s for s in args.only.split(",") if s]
     args.deadline = args.deadline or (120.0 if small else 440.0)
     args.budget = args.budget if args.budget is not None else args.deadline * 0.72
     shapes = SMALL if small else FULL

@@ -55,12 +55,11 @@ def supported(device: torch.device | str) -> bool:
 
 def fused_write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """DeltaSite.fused: ``site.formula(x, c, h)`` from the fused kernels wherever they run, else the formula."""
-    if not torch.compiler.is_compiling():  # (torch.compile traces the formula)
-        kernel = _kernel if _kernel is not None else _load()
-        if kernel and (h.is_cuda or (kernel.INTERPRETED and _interpret())):
-            out = kernel.write(site, x, c, h)
-            if out is not None:
-                return out
+    kernel = _kernel if _kernel is not None else _load()
+    if kernel and (h.is_cuda or (kernel.INTERPRETED and _interpret())):
+        out = kernel.write(site, x, c, h)
+        if out is not None:
+            return out
     return site.formula(x, c, h)
 
 
