@@ -12,8 +12,9 @@ decided on its first call; on a GPU a decode step is bound by what the host spen
 load_state_dict or an optimizer step is seen at once) and computes what the formula does, in fp32
 registers, with the result in h's dtype; alpha = 0 leaves h bitwise. A learned direction's matmuls stay
 in torch (their parameters' gradients with them); the sublayer direction is read from h in the kernel.
-It falls back to the formula under torch.compile (which traces the formula), off a device the kernel
-runs on, and for inputs the kernel does not take (see kernel.write). Under TRITON_INTERPRET=1, set
+It runs the formula under torch.compile, which fuses it into the kernels around it (the kernels as
+custom ops in the graph were slower on an H200: docs/performance.md), off a device the kernel runs on,
+and for inputs the kernel does not take (see kernel.write). Under TRITON_INTERPRET=1, set
 before triton is first imported, the kernels run on CPU tensors: that is how the tests check them.
 """
 
@@ -55,11 +56,12 @@ def supported(device: torch.device | str) -> bool:
 
 def fused_write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """DeltaSite.fused: ``site.formula(x, c, h)`` from the fused kernels wherever they run, else the formula."""
-    kernel = _kernel if _kernel is not None else _load()
-    if kernel and (h.is_cuda or (kernel.INTERPRETED and _interpret())):
-        out = kernel.write(site, x, c, h)
-        if out is not None:
-            return out
+    if not torch.compiler.is_compiling():  # (torch.compile traces the formula)
+        kernel = _kernel if _kernel is not None else _load()
+        if kernel and (h.is_cuda or (kernel.INTERPRETED and _interpret())):
+            out = kernel.write(site, x, c, h)
+            if out is not None:
+                return out
     return site.formula(x, c, h)
 
 

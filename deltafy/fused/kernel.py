@@ -168,25 +168,11 @@ def plan(site) -> Plan | None:
     if d > MAX_WIDTH:
         return None
     eps = site.eps if direction is not None else site.eps / site.scale
-    block = 1 << (d - 1).bit_length()  # (triton.next_power_of_2, in code torch.compile traces)
+    block = triton.next_power_of_2(d)
     warps = min(max(block // 256, 1), 16)
     return Plan(d, site.channels, direction is not None, eps * eps, d**-0.5, -2.0 / site.scale, block, warps)
 
 
-def _on_device(launch):
-    """``launch`` run with its tensors' GPU as the current device: triton launches on the current one."""
-
-    def launch_there(*args):
-        device = args[1].device  # (c: every launcher's second tensor)
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                return launch(*args)
-        return launch(*args)
-
-    return launch_there
-
-
-@_on_device
 def _forward(x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
     # contiguous inputs (the caller's): rows d apart, channels rows * d apart
     n = h.numel() // p.d
@@ -197,34 +183,6 @@ def _forward(x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
         CHANNELS=p.channels, LEARNED=p.learned, STRENGTH=alpha is not None, BLOCK=p.block, num_warps=p.num_warps,
     )  # fmt: skip
     return out
-
-
-@_on_device
-def _backward(grad, x, c, h, kr, wg, bg, wt, bt, alpha, p: Plan):
-    """The inputs' gradients (dkr: None for the sublayer direction), the rows' unit contexts and head gradients."""
-    d, n = p.d, h.numel() // p.d
-    dx, dc, dh = torch.empty_like(x), torch.empty_like(c), torch.empty_like(h)
-    dkr = None if kr is None else torch.empty_like(kr)
-    unit = torch.empty((n, d), dtype=torch.float32, device=h.device)
-    dgu = torch.empty((n, p.channels + 2), dtype=torch.float32, device=h.device)
-    _backward_kernel[(n,)](
-        x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, grad,
-        dx, dc, dh, dh if dkr is None else dkr, unit, dgu,
-        n * d, d, p.eps2, p.inv_sqrt_d, p.gamma,
-        CHANNELS=p.channels, LEARNED=kr is not None, STRENGTH=alpha is not None, BLOCK=p.block,
-        num_warps=p.num_warps,
-    )  # fmt: skip
-    return dx, dc, dh, dkr, unit, dgu
-
-
-def _head_grads(needed, dgu, unit, heads) -> list:
-    """The head parameters' gradients (gate weight and bias, target weight and bias, alpha) from the rows'."""
-    if not any(needed):
-        return [None] * 5
-    with torch.autocast(dgu.device.type, enabled=False):
-        weights, biases = dgu.T @ unit, dgu.sum(0)  # rows: the gate, the targets, (alpha)
-    grads = [weights[:1], biases[:1], weights[1:-1], biases[1:-1], biases[-1:]]
-    return [None if p is None else g.to(p.dtype) for g, p in zip(grads, heads, strict=True)]
 
 
 class SiteWrite(torch.autograd.Function):
@@ -241,62 +199,29 @@ class SiteWrite(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, c, h, kr, wg, bg, wt, bt, alpha = ctx.saved_tensors
-        dx, dc, dh, dkr, unit, dgu = _backward(grad.contiguous(), x, c, h, kr, wg, bg, wt, bt, alpha, ctx.plan)
-        return dx, dc, dh, dkr, *_head_grads(ctx.needs_input_grad[4:9], dgu, unit, (wg, bg, wt, bt, alpha)), None
-
-
-# -- under torch.compile --------------------------------------------------------------------------
-# The same kernels as custom ops, which a compiled graph calls as they are (one kernel a site, in CUDA graphs
-# too) where tracing the formula would leave several. Eager calls keep the autograd.Function: a custom op's
-# dispatch costs the host about 12 us a call (measured on CPU), and an eager decode step is bound by the host.
-@torch.library.custom_op("deltafy::site_write", mutates_args=())
-def _site_write_op(
-    x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, kr: torch.Tensor | None, wg: torch.Tensor, bg: torch.Tensor,
-    wt: torch.Tensor, bt: torch.Tensor, alpha: torch.Tensor | None, d: int, channels: int, learned: bool,
-    eps2: float, inv_sqrt_d: float, gamma: float, block: int, num_warps: int,
-) -> torch.Tensor:  # fmt: skip
-    return _forward(
-        x, c, h, kr, wg, bg, wt, bt, alpha, Plan(d, channels, learned, eps2, inv_sqrt_d, gamma, block, num_warps)
-    )
-
-
-@_site_write_op.register_fake
-def _(x, c, h, kr, wg, bg, wt, bt, alpha, *plan):
-    return torch.empty_like(x, dtype=h.dtype)
-
-
-@torch.library.custom_op("deltafy::site_write_backward", mutates_args=())
-def _site_write_backward_op(
-    grad: torch.Tensor, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor, kr: torch.Tensor | None,
-    wg: torch.Tensor, bg: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor, alpha: torch.Tensor | None, d: int,
-    channels: int, learned: bool, eps2: float, inv_sqrt_d: float, gamma: float, block: int, num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    p = Plan(d, channels, learned, eps2, inv_sqrt_d, gamma, block, num_warps)
-    dx, dc, dh, dkr, unit, dgu = _backward(grad, x, c, h, kr, wg, bg, wt, bt, alpha, p)
-    return dx, dc, dh, h.new_empty(0) if dkr is None else dkr, unit, dgu  # (an op returns no None)
-
-
-@_site_write_backward_op.register_fake
-def _(grad, x, c, h, kr, wg, bg, wt, bt, alpha, d, channels, *plan):
-    n = h.numel() // d
-    unit = h.new_empty((n, d), dtype=torch.float32)
-    dkr = h.new_empty(0) if kr is None else torch.empty_like(kr)
-    return torch.empty_like(x), torch.empty_like(c), torch.empty_like(h), dkr, unit, unit.new_empty((n, channels + 2))
-
-
-def _setup_op(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:9])
-    ctx.plan = inputs[9:]
-
-
-def _op_backward(ctx, grad):
-    x, c, h, kr, wg, bg, wt, bt, alpha = saved = ctx.saved_tensors
-    dx, dc, dh, dkr, unit, dgu = _site_write_backward_op(grad.contiguous(), *saved, *ctx.plan)
-    heads = _head_grads(ctx.needs_input_grad[4:9], dgu, unit, (wg, bg, wt, bt, alpha))
-    return dx, dc, dh, None if kr is None else dkr, *heads, *[None] * len(ctx.plan)
-
-
-_site_write_op.register_autograd(_op_backward, setup_context=_setup_op)
+        p = ctx.plan
+        d, n = p.d, h.numel() // p.d
+        grad = grad.contiguous()
+        dx = torch.empty_like(x)
+        dc = torch.empty_like(c)
+        dh = torch.empty_like(h)
+        dkr = dh if kr is None else torch.empty_like(kr)
+        unit = torch.empty((n, d), dtype=torch.float32, device=h.device)
+        dgu = torch.empty((n, p.channels + 2), dtype=torch.float32, device=h.device)
+        _backward_kernel[(n,)](
+            x, c, h, h if kr is None else kr, wg, bg, wt, bt, wg if alpha is None else alpha, grad,
+            dx, dc, dh, dkr, unit, dgu,
+            n * d, d, p.eps2, p.inv_sqrt_d, p.gamma,
+            CHANNELS=p.channels, LEARNED=kr is not None, STRENGTH=alpha is not None, BLOCK=p.block,
+            num_warps=p.num_warps,
+        )  # fmt: skip
+        heads = [None] * 5
+        if any(ctx.needs_input_grad[4:9]):
+            with torch.autocast(h.device.type, enabled=False):
+                weights, biases = dgu.T @ unit, dgu.sum(0)  # rows: the gate, the targets, (alpha)
+            heads = [weights[:1], biases[:1], weights[1:-1], biases[1:-1], biases[-1:]]
+            heads = [None if p is None else g.to(p.dtype) for g, p in zip(heads, (wg, bg, wt, bt, alpha), strict=True)]
+        return dx, dc, dh, None if kr is None else dkr, *heads, None
 
 
 def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
@@ -318,6 +243,9 @@ def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tens
         or x.device != device or c.device != device or wg.device != device
     ):  # fmt: skip
         return None
+    if device.type == "cuda" and device.index != torch.cuda.current_device():  # triton launches on the current one
+        with torch.cuda.device(device):
+            return write(site, x, c, h)
     if p.learned:
         if torch.is_autocast_enabled(device.type):  # the formula's heads run in fp32, as here
             with torch.autocast(device.type, enabled=False):
@@ -330,8 +258,6 @@ def write(site, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tens
     # the kernels read rows d apart: contiguous() is the tensor itself where it already is (a decode step's)
     inputs = (x.contiguous(), c.contiguous(), h.contiguous(), kr, wg.contiguous(), bg.contiguous(),
               wt.contiguous(), bt.contiguous(), alpha)  # fmt: skip
-    if torch.compiler.is_compiling():
-        return _site_write_op(*inputs, *p)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return SiteWrite.apply(*inputs, p)
     return _forward(*inputs, p)

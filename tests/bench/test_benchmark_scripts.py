@@ -90,6 +90,17 @@ def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
     assert "CPU" in memory["baseline"] and memory["target"] == ["<=", 1.1]
 
 
+def test_gpu_script_runs_only_the_rows_asked_for(tmp_path):
+    out = tmp_path / "cells.json"
+    _run("gpu.py", "--cpu", "--only", "dlogits,b1", "--json", str(out))
+    by_measure = {row["measure"]: row for row in json.loads(out.read_text())}
+    assert _positive(by_measure["decode b1"]["reference"])
+    for measure in ("max |dlogits|", "decode b1 compiled"):  # (they ran, or say why not: no fused path, on CPU)
+        assert by_measure[measure]["baseline"] != "not run (--only)", measure
+    for measure in ("prefill", "decode b8", *TRAIN):
+        assert by_measure[measure]["reference"] == "not run (--only)", measure
+
+
 def test_kernel_counts_of_a_tiny_llama():
     kernels = _script("kernel_count")
     interpret_before = os.environ.get("TRITON_INTERPRET")
