@@ -1,25 +1,22 @@
-# Deep Delta Learning residuals for pretrained Hugging Face decoders (deltafy). Copied verbatim into every
-# checkpoint deltafy writes, with a few generated lines that bind it to the base family's classes; it
-# needs only torch, transformers and the standard library, and is the one implementation of the math.
-#
-# Every residual write x <- x + m h of a decoder layer (m: the layer's own scale, usually 1) becomes
+# Deep Delta Learning residuals for pretrained Hugging Face decoders (deltafy). Copied verbatim into every checkpoint
+# deltafy writes, with a few generated lines that bind it to the base family's classes; it needs only torch,
+# transformers, safetensors and the standard library, and is the one implementation of the math. Every residual write
+# x <- x + m h of a decoder layer (m: the layer's own scale, usually 1) becomes
 #
 #     x <- x + m h + alpha beta (v - k^T x) k             (Zhang et al., "Deep Delta Learning", 2026)
 #
-# k: a unit direction, the write m h / |m h| or a learned head on c; v: the target of the readout k^T x,
-# in units of the stream's RMS; beta = 2 sigmoid(gate(c)); c: the context the sublayer read, at unit
-# length; alpha: a zero-initialized strength (gate "strength": a fresh conversion is the original
-# bitwise) or 1 (gate "logit", the spec's default as in deltafy 0.1: the logit starts at -18).
-# The expanded state (d_v > 1 "channels") stacks d_v copies of the stream along the batch dimension;
-# each sublayer reads the view sum_j r_j x_j and every channel gets the write and its own correction.
-#
-# Sections and their public names (deltafy imports no other):
+# k: a unit direction, the write m h / |m h| or a learned head on c; v: the target of the readout k^T x, in units of
+# the stream's RMS; beta = 2 sigmoid(gate(c)); c: the context the sublayer read, at unit length; alpha: a zero-init
+# strength (gate "strength": a fresh conversion is the original bitwise) or 1 (gate "logit", the spec's default as in
+# deltafy 0.1: the logit starts at -18). The expanded state (d_v > 1 "channels") stacks d_v copies of the stream along
+# the batch dimension; each sublayer reads the view sum_j r_j x_j, and every channel gets the write and its own
+# correction. Sections and their public names (deltafy imports no other):
 #   the spec            DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
 #   the math            ddl_reference (the formula written out), DeltaDirection, DeltaSite
 #   the surgery         apply_deltafy, remove_deltafy, disabled, first_input, discard_captures
 #   the expanded state  DeltaRead, and the call that tiles, reads and folds the stream's channels
-#   checkpoints         HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files,
-#                       sha256_files, deltafy_classes (and the heads-only loader)
+#   checkpoints         HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files, sha256_files,
+#                       deltafy_classes (and the heads-only loader)
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +47,8 @@ def first_line(err: BaseException, with_type: bool = False) -> str:
 
 
 # -- the spec: what the surgery needs, stored as the "deltafy" section of the config ---------------
-# A config is text anyone can edit, so it is checked as when deltafy wrote it (a NaN eps would load and
-# run, and every loss would be NaN). A rule is (test, what the value must be).
+# A config is text anyone can edit, so it is checked as when deltafy wrote it (a NaN eps would load and run, and every
+# loss would be NaN). A rule is (test, what the value must be).
 _finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
 _TEXT = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _COUNT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")
@@ -66,6 +63,7 @@ _SPEC_RULES |= {"gate": _one_of("logit", "strength"), "gate_bias": (_finite, "a 
 _SPEC_RULES |= {"erase": (lambda v: isinstance(v, bool), "true or false")}
 _SPEC_RULES |= {"rank": (lambda v: v is None or _COUNT[0](v), "a positive integer or null")}
 _SPEC_RULES |= {"sites": (lambda v: isinstance(v, (list, tuple)), "a list of sites")}
+_missing = lambda cls, got: [f.name for f in fields(cls) if f.default is MISSING and f.name not in got]  # noqa: E731
 
 
 def _need(field: str, rule: tuple, value) -> None:
@@ -116,8 +114,7 @@ class DeltaSpec:
     def from_dict(cls, section: dict) -> DeltaSpec:
         """The spec in a config's ``deltafy`` section (which also holds the recipe and provenance)."""
         _need("the config's deltafy section", _OBJECT, section)
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in section]
-        if missing:
+        if missing := _missing(cls, section):
             raise DeltafyError(f"the config's deltafy section has no {missing[0]!r}")
         return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
 
@@ -129,8 +126,7 @@ def _site(site) -> SiteSpec:
     if isinstance(site, SiteSpec):
         return site
     _need("every site", _OBJECT, site)
-    unknown = sorted(site.keys() - {f.name for f in fields(SiteSpec)})
-    missing = [f.name for f in fields(SiteSpec) if f.default is MISSING and f.name not in site]
+    unknown, missing = sorted(site.keys() - {f.name for f in fields(SiteSpec)}), _missing(SiteSpec, site)
     if unknown or missing:
         what = f"{unknown[0]!r} is unknown" if unknown else f"{missing[0]!r} is missing"
         raise DeltafyError(f"site {site.get('name')!r}: {what}")
@@ -139,8 +135,8 @@ def _site(site) -> SiteSpec:
 
 # -- the math ------------------------------------------------------------------------------------
 def ddl_reference(site: DeltaSite, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The stream after ``site``'s write, x + m h + alpha beta (v - k^T x) k, plainly in float64: what
-    DeltaSite.formula computes fused. With d_v channels x is (d_v, ...): each gets h and its own target v_j."""
+    """The stream after ``site``'s write, plainly in float64: what DeltaSite.formula computes fused. With d_v
+    channels x is (d_v, ...): each gets h and its own target v_j."""
     w = {name: p.detach().double() for name, p in site.named_parameters()}
     x, c, h, m = x.double(), c.double(), h.double(), site.scale
     c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-6)  # the heads read the unit context
@@ -191,11 +187,10 @@ class DeltaDirection(nn.Module):
 
 
 class DeltaSite(nn.Module):
-    """The DDL heads of one residual write (``site`` of ``spec``), as ``layer.delta[site.name]``: gate beta,
-    target v (one per channel), optional direction k and strength alpha."""
+    """The DDL heads of one write, ``layer.delta[site.name]``: gate, target (per channel), optional direction, alpha."""
 
-    # The one seam for a fast path: a function (site, x, c, h) -> h' equal to formula(x, c, h), set on an
-    # instance by deltafy where it is supported (deltafy.fused); it reads the parameters on every call.
+    # The one seam for a fast path: where supported, deltafy.fused sets on an instance a function (site, x, c, h) -> h'
+    # equal to formula(x, c, h), which reads the parameters on every call.
     fused = None
 
     def __init__(self, spec: DeltaSpec, site: SiteSpec):
@@ -247,9 +242,8 @@ class DeltaSite(nn.Module):
         return self.formula(x, c, h) if self.fused is None else self.fused(self, x, c, h)
 
     def formula(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h' such that ``x + m h'`` is ddl_reference's, in fp32 (or h's wider precision) and returned in h's
-        dtype; with d_v channels x and h' are (d_v, ...). Only dot products and fused multiply-adds, no matmul
-        and no dtype call that does nothing: a decode step costs a dispatch per op."""
+        """h' such that ``x + m h'`` is ddl_reference's (x, h': (d_v, ...) with channels), in fp32 or h's wider dtype,
+        returned in h's. Only vecdots and fused multiply-adds, no no-op dtype call: decoding pays a dispatch per op."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.formula(x, c, h)
@@ -276,9 +270,9 @@ class DeltaSite(nn.Module):
 
 
 # -- the surgery ---------------------------------------------------------------------------------
-# A site's stream and context travel from its capture to its write, per thread so that concurrent forwards
-# never see each other's; so do the sites a checkpoint class's forward waits for (_PENDING: a backend that
-# swaps modules drops them). A forward leaves the stash as it found it: torch.compile's guards on it hold.
+# A site's stream and context travel from its capture to its write, per thread so that concurrent forwards never see
+# each other's; so do the sites a checkpoint class's forward waits for (_PENDING: a backend that swaps modules drops
+# them). A forward leaves the stash as it found it: torch.compile's guards on it hold.
 class _Stash(threading.local):
     def __init__(self):
         self.sites = {}  # (each thread's own, made on its first use)
@@ -286,8 +280,7 @@ class _Stash(threading.local):
 
 _STASH, _PENDING = _Stash(), "pending"
 _stash = lambda: _STASH.sites  # noqa: E731
-# a module's output is h or a tuple (h, ...)
-_output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
+_output = lambda output: output[0] if isinstance(output, tuple) else output  # h or (h, ...)  # noqa: E731
 _with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
 
 
@@ -345,8 +338,7 @@ class _SiteCall:
     def roles(self) -> list[str]:
         return [f"stream of {s.name}" for s in self.captures] + [f"write of {s.name}" for s in self.writes]
 
-    def extra_repr(self) -> str:
-        """The module's own extra_repr and its roles in the sites: print(model) shows the surgery."""
+    def extra_repr(self) -> str:  # the module's own and its roles in the sites: print(model) shows the surgery
         roles, own = self.roles(), type(self.module).extra_repr(self.module)
         return ", ".join(filter(None, (own, "deltafy: " + ", ".join(roles) if roles else "")))
 
@@ -367,8 +359,7 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
         raise DeltafyError("this model is already converted")
     if spec.channels > 1 and any(site.stream == "" for site in spec.sites):
         raise DeltafyError("an expanded stream needs every site's stream to be a module inside the layer")
-    # the spec's path is the causal LM's; the bare model (AutoModel) holds the layers below its base_model_prefix
-    path = spec.layers
+    path = spec.layers  # the causal LM's; the bare model (AutoModel) holds the layers below its base_model_prefix
     if getattr(model, "base_model", None) is model:
         path = path.removeprefix(getattr(model, "base_model_prefix", "") + ".")
     try:
@@ -433,8 +424,8 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def disabled(model: nn.Module):
-    """Run ``model`` with every DDL correction off (beta = 0 exactly), as peft's disable_adapter() does.
-    ``model`` may be a part of a converted model that holds whole decoder layers (the decoder, a layer)."""
+    """Run ``model`` with every DDL correction off (beta = 0 exactly), as peft's disable_adapter() does. ``model``
+    may be a part of a converted model that holds whole decoder layers (the decoder, a layer)."""
     calls = list({id(c): c for module in model.modules() for c in module.__dict__.get("_deltafy_calls", ())}.values())
     if not calls:
         raise DeltafyError(
@@ -540,9 +531,9 @@ def _expand(layers: nn.ModuleList, sites: list, call, place: dict) -> None:
 
 
 # -- the checkpoint's classes --------------------------------------------------------------------
-# A heads-only (delta) checkpoint stores only the heads, in HEADS_FILE, and names its base in the
-# config's deltafy section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a folder or
-# a .gguf file, the path relative to the checkpoint folder, the hashes of its weight files).
+# A heads-only (delta) checkpoint stores only the heads, in HEADS_FILE, and names its base in the config's deltafy
+# section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a folder or a .gguf file, the path relative
+# to the checkpoint folder, the hashes of its weight files).
 HEADS_FILE = "deltafy_heads.safetensors"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
 _PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
@@ -575,8 +566,8 @@ def check_heads(stored: dict, heads: dict, source: str) -> None:
 
 
 def check_base_record(record) -> dict:
-    """The config's record of a heads-only checkpoint's base, refused unless it is a Hub model pinned to a
-    commit or a local one with the SHA-256 of its weight files (else any folder at that path would do)."""
+    """The config's record of a heads-only checkpoint's base, refused unless it is a Hub model pinned to a commit or a
+    local one with the SHA-256 of its weight files (else any folder at that path would do)."""
     forms = '{"id", "revision"} (a Hub model) or {"path", "sha256"} (a local one)'
     _need("deltafy.base", (lambda v: isinstance(v, dict) and ("id" in v or "path" in v), forms), record)
     if "id" in record:
@@ -619,8 +610,8 @@ def sha256_files(paths: list[Path]) -> dict[str, str]:
 
 
 def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | None, str, dict]:
-    """The local base (None for the Hub), what to pass from_pretrained and the kwargs that pin it; a local
-    base is hash-checked. ``given``: where the user said it is (deltafy_base), or None."""
+    """The local base (None for the Hub), what to pass from_pretrained and the kwargs that pin it; a local base is
+    hash-checked. ``given``: where the user said it is (deltafy_base), or None."""
     if "id" in record and given is None:
         return None, record["id"], {"revision": record["revision"]}
     location = Path(str(given if given is not None else record["path"])).expanduser()
@@ -640,12 +631,10 @@ def _base_location(record: dict, folder: Path | None, given) -> tuple[Path | Non
             f"{', '.join(want) or record.get('id')}); pass its location with {_PASS_BASE}"
         )
     got = sha256_files(base_weight_files(location)) if want else {}
+    show = lambda hashes, name, gone: f"sha256 {hashes[name][:12]}" if name in hashes else gone  # noqa: E731
     for name in sorted(want.keys() | got.keys()):
         if want.get(name) != got.get(name):
-            found, expected = (
-                f"sha256 {d[name][:12]}" if name in d else gone
-                for d, gone in ((got, "missing"), (want, "no such file"))
-            )
+            found, expected = show(got, name, "missing"), show(want, name, "no such file")
             raise _not_base(location, f"{name} is {found}, expected {expected}")
     location = location.resolve()
     if location.is_file():  # a .gguf file: transformers dequantizes it
@@ -698,10 +687,8 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
     finally:
         config.__dict__.pop("model_type", None)
     model.config.__dict__.pop("model_type", None)
-    # No base may leave a tensor missing (transformers would make one up), and a local copy of a Hub base,
-    # which has no hashes to prove what it is, may not leave one over either.
-    odd = sorted({*info["missing_keys"], *(info["unexpected_keys"] if "id" in record and local else ())})
-    if odd:
+    # none missing (transformers would make it up), none left over in a local copy of a Hub base (it has no hashes)
+    if odd := sorted({*info["missing_keys"], *(info["unexpected_keys"] if "id" in record and local else ())}):
         raise _not_base(location, f"{len(odd)} tensors missing or left over (e.g. {odd[0]})")
     if pin.get("revision"):  # the Hub may answer for a pinned commit with another: see where the files landed
         revision = extract_commit_hash(cached_file(location, "config.json", revision=pin["revision"], **hub), None)
@@ -729,8 +716,8 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
 
 
 def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_class: type) -> tuple[type, type, type]:
-    """Config, causal-LM and bare-model (AutoModel) classes of a checkpoint, subclassing its base family's:
-    every tensor name, generation, tied weights and device maps exactly as transformers does them for it."""
+    """Config, causal-LM and bare-model (AutoModel) classes of a checkpoint, subclassing its base family's: every
+    tensor name, generation, tied weights and device maps exactly as transformers does them for it."""
 
     class DeltafyConfig(base_config_class):
         model_type = "deltafy"
@@ -754,16 +741,12 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             if "base" in config.deltafy:
                 return _from_base(cls, stock_class, pretrained_model_name_or_path, config, kwargs)
             with_info = kwargs.pop("output_loading_info", False)
-            load = stock_class.from_pretrained.__func__  # a full checkpoint: the base family's own loading
-            model, info = load(
+            model, info = stock_class.from_pretrained.__func__(  # a full checkpoint: the base family's own loading
                 cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
             )
-            # transformers would leave a missing head uninitialized (marked initialized: deltafy's init) and drop
-            # one the spec does not make: both refused, by name
-            missing, unexpected = (
-                [k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")
-            )
-            _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
+            # transformers would leave a missing head uninitialized (it is marked initialized) and drop an extra one
+            heads = [[k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")]
+            _misfit(f"the checkpoint {pretrained_model_name_or_path}", *heads)  # (missing, unexpected)
             return (model, info) if with_info else model
 
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
