@@ -49,6 +49,8 @@ import copy
 import importlib
 import os
 import re
+import sys
+import time
 from collections import Counter
 
 import torch
@@ -335,7 +337,7 @@ def _count(original, recipe, device, phases, with_compile, decode_steps, train_s
             if path not in models:
                 continue
             model = models[path]
-            call = None
+            call, started = None, time.monotonic()
             if column.startswith("compiled"):
                 torch._dynamo.reset()  # each compiled cell traces afresh (train settings change the graph)
                 call = torch.compile(model)
@@ -355,6 +357,8 @@ def _count(original, recipe, device, phases, with_compile, decode_steps, train_s
                 if phase != "decode":
                     _untrain(model)
             counts[phase][column], names[phase][column] = n, by_name
+            # each cell as it is counted: a run cut short (a compile that outlasts a timeout) keeps what it had
+            print(f"  {phase}, {column}: {n:g} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     return {"sites": n_sites(converted), "device": device, "counts": counts, "names": names, "notes": notes}
 
 

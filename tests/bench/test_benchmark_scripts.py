@@ -101,7 +101,7 @@ def test_gpu_script_runs_only_the_rows_asked_for(tmp_path):
         assert by_measure[measure]["reference"] == "not run (--only)", measure
 
 
-def test_kernel_counts_of_a_tiny_llama():
+def test_kernel_counts_of_a_tiny_llama(capsys):
     kernels = _script("kernel_count")
     interpret_before = os.environ.get("TRITON_INTERPRET")
     original = tiny_model("llama-tied")
@@ -117,6 +117,9 @@ def test_kernel_counts_of_a_tiny_llama():
         # the fused path, its launches counted on CPU: far fewer ops than the formula's
         assert 0 < counts["fused"] < counts["reference"], result["notes"]
     assert result["counts"]["decode"]["fused"] == result["counts"]["decode"]["original"] + 4  # a launch a site
+    # each cell is printed as it is counted (a run that a timeout cuts short keeps those)
+    progress = capsys.readouterr().err
+    assert f"decode, reference: {result['counts']['decode']['reference']:g} (" in progress
     assert "TRITON_INTERPRET" not in os.environ or os.environ["TRITON_INTERPRET"] == interpret_before
     names = result["names"]["decode"]["reference"]
     assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
