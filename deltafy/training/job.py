@@ -1,4 +1,5 @@
-"""The ``deltafy train`` job: data, trainable parameters, Trainer, callbacks, final save."""
+"""The ``deltafy train`` job: the run prepared (data, trainable parameters, the loss before) and fitted
+(Trainer, callbacks); what it reports and saves at the end is result.py's."""
 
 from __future__ import annotations
 
@@ -13,48 +14,29 @@ import torch
 
 from .. import interrupts
 from ..errors import DeltafyError, Interrupted
-from ..files import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, STATE_DIR
-from ..options import LaunchOptions, TrainOptions
-from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of, write_failure
+from ..files import CONFIG_FILE, METRICS_FILE, STATE_DIR
+from ..options import TrainOptions
+from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
-from .plots import factor_label, write_training_figures
+from .result import TrainResult, finish, finished_result
 from .run_folder import (
     RunLock,
-    append_metrics,
     clear_run_state,
     compare_records,
     guard_out,
-    read_metrics,
     read_record,
     remove_leftovers,
     run_record,
-    run_summary,
     write_record,
 )
 from .sharding import (
     check_launch,
     fsdp_arguments,
-    gather_trained,
-    is_sharded,
     leave_process_group,
-    rebuild,
     sharded_trainer,
 )
-from .trainable import per_layer, select_trainable, site_betas, unwrap_lora
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    loss_before: float
-    loss_after: float
-    seconds_per_step: float
-    trainable_params: int
-    mean_beta_per_layer: list[float] = field(default_factory=list)
-    mean_beta_on: str = ""  # the text mean_beta_per_layer was measured on
-    out: Path | None = None
-    already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
+from .trainable import select_trainable
 
 
 class _Blocks(torch.utils.data.Dataset):
@@ -111,29 +93,9 @@ def run_training(
         if isinstance(run, TrainResult):  # a resumed run that had finished and written its model
             return run
         trainer, seconds_per_step = _fit(run, show_progress, stop)
-        result = _finish(run, trainer, seconds_per_step, status)
+        result = finish(run, trainer, seconds_per_step, status)
         leave_process_group()
         return result
-
-
-def _finished_result(out: Path, steps: int) -> TrainResult:
-    """What a finished run reported, from its metrics' summary (NaN losses if it has none)."""
-    try:
-        summary = run_summary(read_metrics(out / METRICS_FILE))
-    except DeltafyError:  # no metrics to read: the run is finished all the same
-        summary = {}
-    nan = float("nan")
-    return TrainResult(
-        steps=steps,
-        loss_before=summary.get("loss_before", nan),
-        loss_after=summary.get("loss_after", nan),
-        seconds_per_step=0.0,
-        trainable_params=0,
-        mean_beta_per_layer=summary.get("mean_beta_per_layer", []),
-        mean_beta_on=summary.get("mean_beta_on", ""),
-        out=out,
-        already_finished=True,
-    )
 
 
 @dataclass
@@ -207,7 +169,7 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
                     f"nothing to train: the run in {out} already trained {trained} of {steps} steps and wrote its "
                     f"model; pass a larger --steps with --resume to train further"
                 )
-                return _finished_result(out, trained)
+                return finished_result(out, trained)
             finished = True
             notice(f"the run already trained {trained} of {steps} steps: writing its model from {checkpoint.name}")
     if main:
@@ -327,87 +289,6 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
             stop.signal,
         )
     return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
-
-
-def _finish(run: _Run, trainer, seconds_per_step: float, status) -> TrainResult:
-    """After the last step: the trained model gathered (FSDP), evaluated, reported in metrics.jsonl
-    and figures, and saved into ``--out`` with the run's settings as its recipe's training section."""
-    from ..checkpoint import save
-    from ..evaluate import evaluate
-
-    options, out, state_dir = run.options, run.out, run.state_dir
-    result = TrainResult(
-        steps=trainer.state.global_step,
-        loss_before=run.before,
-        loss_after=float("nan"),
-        seconds_per_step=seconds_per_step,
-        trainable_params=run.trainable,
-        out=out,
-    )
-    trained = trainer.model
-    if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
-        status("gathering the trained parameters")
-        gathered = gather_trained(trainer.model)  # a collective: every rank takes part
-        trained = rebuild(run.model_dir, options, gathered, run.base) if run.main else None
-    if not run.main:
-        return result
-    status("held-out loss after training")
-    # The model as trained (with its LoRA adapters, when it has any): what the run produced.
-    result.loss_after = evaluate(trained, run.eval_blocks, options.batch_size).loss
-    betas, result.mean_beta_on = site_betas(trained, run.eval_blocks)
-    result.mean_beta_per_layer = per_layer(betas)
-    append_metrics(
-        out,
-        {
-            "event": "summary",
-            "loss_before": run.before,
-            "loss_after": result.loss_after,
-            "mean_beta_per_layer": result.mean_beta_per_layer,
-            "mean_beta_on": result.mean_beta_on,
-            "steps": result.steps,
-        },
-    )
-    status(f"writing {out}")
-    label = factor_label(trained.config.deltafy)
-    figures = write_training_figures(out, betas, label, result.mean_beta_on)  # loss.png and beta.png, shown by the card
-    training = {
-        "mode": options.train,
-        "steps": result.steps,
-        "tokens": result.steps * run.tokens_per_step,
-        "trainable_params": run.trainable,
-        "data": list(run.data),
-        "eval_data": list(run.eval_data or []),
-        "loss_before": run.before,
-        "loss_after": result.loss_after,
-    }
-    try:
-        model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
-        # The saved recipe's training section is this run's settings: eval, inspect and a next run
-        # read text as this run did (a held-out file too short for the default 256 tokens included).
-        spec = model.config.deltafy
-        spec["recipe"] = {
-            **spec["recipe"],
-            "training": options.model_dump(mode="json", exclude=set(LaunchOptions.model_fields)),
-        }
-        save(
-            model,
-            out,
-            tokenizer=run.tokenizer,
-            provenance=spec.get("provenance"),
-            into=True,
-            heads_only=run.heads_only,
-            training=training,
-            figures=figures,
-        )
-    except Exception as err:
-        last, _ = newest_complete(state_dir)
-        if isinstance(err, DeltafyError) and last is not None:
-            raise DeltafyError(f"{err}; {last} is still usable: free space and rerun with --resume") from err
-        failure = write_failure(err, f"the model into {out}", state_dir)
-        if failure is not None:
-            raise failure from err
-        raise
-    return result
 
 
 def _checkpointing_args(enabled: bool) -> dict:
