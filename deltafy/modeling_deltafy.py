@@ -280,7 +280,8 @@ class _Stash(threading.local):
 
 _STASH, _PENDING = _Stash(), "pending"
 _stash = lambda: _STASH.sites  # noqa: E731
-_output = lambda output: output[0] if isinstance(output, tuple) else output  # h or (h, ...)  # noqa: E731
+# a module's output is h or a tuple (h, ...)
+_output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
 _with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
 
 
@@ -745,8 +746,10 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
                 cls, pretrained_model_name_or_path, *args, config=config, output_loading_info=True, **kwargs
             )
             # transformers would leave a missing head uninitialized (it is marked initialized) and drop an extra one
-            heads = [[k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")]
-            _misfit(f"the checkpoint {pretrained_model_name_or_path}", *heads)  # (missing, unexpected)
+            missing, unexpected = (
+                [k for k in sorted(info[kind]) if ".delta." in k] for kind in ("missing_keys", "unexpected_keys")
+            )
+            _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
             return (model, info) if with_info else model
 
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
