@@ -1,5 +1,7 @@
 """The options models: a recipe (what a conversion builds, and its training defaults) and the
-settings of a training run. Every flag of ``deltafy convert``/``train`` is a field here.
+settings of a conversion, a training run, an evaluation and a bench. The flags of ``deltafy
+convert``/``train``/``eval``/``bench``/``push`` that set something (not the paths they read and write) are
+fields here, generated from them.
 
 A recipe is a YAML file. Bundled recipes are referred to by name (``deltafy recipes`` lists
 them); any other value of ``--recipe`` is read as a path.
@@ -17,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -36,6 +39,8 @@ CHANNELS_MAX = 16  # the paper's d_v is 4; each channel is one more copy of the 
 Mode = Literal["heads", "heads+lora", "lora", "ia3", "ln-tuning", "base", "all"]  # what a training run trains
 ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
 HEAD_MODES = ("heads", "heads+lora", "all")  # the modes that train the DDL heads (at the recipe's lr)
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # a precision to load (and convert) a model in
+SELF_CHECK_TOLERANCE = 1e-3  # the largest |Δlogits| a conversion's self-check accepts in fp32
 
 
 class TrainingDefaults(BaseModel):
@@ -195,7 +200,7 @@ def format_validation(err: ValidationError, name: Callable[[tuple], str] | None 
         loc = tuple(e["loc"])
         where = name(loc) if name else ".".join(map(str, loc)) or "recipe"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {msg}" if where else msg)  # (no where: a rule across fields, said whole)
     return "; ".join(parts)
 
 
@@ -222,6 +227,80 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise DeltafyError(f"could not read recipe {path}: {first_line(err)}") from err
     return recipe_from_dict(data, origin=f"recipe {path}")
+
+
+# -- a conversion --------------------------------------------------------------------------------
+
+
+class ConvertOptions(BaseModel):
+    """Every setting of a conversion besides its source, folder and recipe: ``deltafy convert`` builds
+    one flag per field, and ``convert_source`` checks its keywords with it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    dtype: DTypeName = Field(
+        "auto", description="precision to load the model in and save it in; auto: as the source records it"
+    )
+    verify: bool = Field(True, description="self-check the converted model against the original before writing")
+    tolerance: NonNegativeFloat = Field(
+        SELF_CHECK_TOLERANCE,
+        description="largest |Δlogits| the self-check accepts at init, in fp32; in bf16/fp16 at least "
+        "4·eps·max|logits| (the logits' own rounding)",
+    )
+    device: str | None = Field(
+        None, description="device for conversion and self-check, e.g. cuda", json_schema_extra={"shown": "cpu"}
+    )
+    heads_only: bool = Field(
+        False, description="write only the new heads; loading the folder fetches the source (pinned) and applies them"
+    )
+    streaming: bool | None = Field(
+        None,
+        description="--streaming: convert a local safetensors folder without loading it and self-check it a "
+        "decoder layer at a time; --in-memory: load the whole model",
+        json_schema_extra={"shown": "streaming where the source allows it, layer by layer above 2 GiB of weights"},
+    )
+
+    @model_validator(mode="after")
+    def _streaming_on_cpu(self) -> ConvertOptions:
+        if self.streaming and self.device:
+            raise ValueError("streaming converts on the CPU; drop --device or --streaming")
+        return self
+
+
+def convert_options(**settings) -> ConvertOptions:
+    """``settings`` (None: the default) as ConvertOptions, every bad value named as its flag."""
+    return options_of(ConvertOptions, "conversion", **settings)
+
+
+# -- a push --------------------------------------------------------------------------------------
+
+
+class PushOptions(BaseModel):
+    """Every setting of a push besides the folder and the repository: ``deltafy push`` builds one flag
+    per field, and ``deltafy.hub.push.push`` checks its keywords with it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    private: bool = Field(False, description="create the repository private (an existing one keeps its own)")
+    revision: str | None = Field(
+        None,
+        description="branch to push to, created from main if new; or refs/pr/N, an open pull request",
+        json_schema_extra={"shown": "main"},
+    )
+    message: str | None = Field(
+        None, description="commit message", json_schema_extra={"shown": "deltafy's version, base model, recipe"}
+    )
+    token: str | None = Field(
+        None,
+        description="Hub token with write access",
+        json_schema_extra={"shown": "HF_TOKEN, else the `hf auth login` token"},
+    )
+    include_training: bool = Field(False, description="upload the training state too (training/, optimizer files)")
+
+
+def push_options(**settings) -> PushOptions:
+    """``settings`` (None: the default) as PushOptions, every bad value named as its flag."""
+    return options_of(PushOptions, "push", **settings)
 
 
 # -- a training run -------------------------------------------------------------------------------
@@ -348,12 +427,18 @@ class BenchOptions(BaseModel):
 
 def bench_options(**settings) -> BenchOptions:
     """``settings`` (None: the default) as BenchOptions, every bad value named as its flag."""
+    return options_of(BenchOptions, "bench", **settings)
+
+
+def options_of(model: type[BaseModel], what: str, **settings):
+    """``settings`` given to a command (None: unset, so the model's default) as ``model``; every bad
+    value is reported at once, named as its flag."""
     given = {k: v for k, v in settings.items() if v is not None}
     try:
-        return BenchOptions.model_validate(given)
+        return model.model_validate(given)
     except ValidationError as err:
 
         def flag(loc: tuple) -> str:
-            return "--" + str(loc[0]).replace("_", "-") if loc else "bench"
+            return "--" + str(loc[0]).replace("_", "-") if loc else ""
 
-        raise DeltafyError(f"invalid bench options: {format_validation(err, flag)}") from err
+        raise DeltafyError(f"invalid {what} options: {format_validation(err, flag)}") from err

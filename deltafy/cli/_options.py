@@ -15,13 +15,10 @@ from pydantic.fields import FieldInfo
 from rich.markup import escape
 
 from ..errors import DeltafyError
+from ..options import DTypeName
 
-
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+# eval's --dtype, beside a model (convert's comes from ConvertOptions): the same choices
+DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
 
 
 RecipeOpt = Annotated[
@@ -30,9 +27,7 @@ RecipeOpt = Annotated[
 ]
 DTypeOpt = Annotated[
     DType,
-    typer.Option(
-        "--dtype", help="Precision to load the model in (convert also saves it so); auto: as the checkpoint records it."
-    ),
+    typer.Option("--dtype", help="Precision to load the model in; auto: as the checkpoint records it."),
 ]
 BaseOpt = Annotated[
     str | None,
@@ -77,11 +72,13 @@ def _comma_list(value: str) -> list[str]:
 
 
 def _field_option(
-    name: str, field: FieldInfo, spelling: str | None, panel: str | None, source: str | None
+    name: str, field: FieldInfo, spelling: str | tuple[str, ...] | None, panel: str | None, source: str | None
 ) -> inspect.Parameter:
     """One keyword-only parameter, defaulting to None: an unset flag keeps the recipe's value."""
     kind = _flag_type(field.annotation)
     default = field.default
+    # what an unset flag means where the model's None does not say it (``{"shown": "cpu"}``)
+    shown = field.json_schema_extra.get("shown") if isinstance(field.json_schema_extra, dict) else None
     notes, extra = [], {}
     if kind is bool:
         spelling = spelling or f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}"
@@ -95,9 +92,10 @@ def _field_option(
     if isinstance(default, list):  # as it is typed: 0.3,1,3
         default = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in default)
     # The effective default may be the recipe's (--recipe, else the checkpoint's) rather than the model's.
-    notes.append(f"default: {'unset' if default is None else default}" + (f", or {source}" if source else ""))
+    shown = shown or ("unset" if default is None else default)
+    notes.append(f"default: {shown}" + (f", or {source}" if source else ""))
     option = typer.Option(
-        spelling or "--" + name.replace("_", "-"),
+        *((spelling,) if isinstance(spelling, str) else spelling or ("--" + name.replace("_", "-"),)),
         help=escape(f"{field.description} ({'; '.join(notes)})"),  # --help reads help as rich markup
         show_default=False,
         rich_help_panel=panel,
@@ -111,7 +109,7 @@ def _field_option(
 def with_model_options(
     model: type[BaseModel],
     panel: str | None = None,
-    spellings: dict[str, str] | None = None,
+    spellings: dict[str, str | tuple[str, ...]] | None = None,
     source: str | None = "the recipe's",
     sourced: set[str] | None = None,
 ):
@@ -119,7 +117,7 @@ def with_model_options(
 
     The model is the single source of each flag's name (``seq_len`` -> ``--seq-len``), type,
     choices, help (the field's description) and shown default; booleans become
-    ``--flag/--no-flag`` unless ``spellings`` names them otherwise. Typer reads a command's
+    ``--flag/--no-flag`` unless ``spellings`` names them otherwise (a tuple: with a short form). Typer reads a command's
     parameters from its signature, so the generated ones are put there. The command receives
     every field in ``flags``, None where the flag was not given; ``source`` says in the help where
     a flag left out takes its value from (for the fields in ``sourced``; default: every field).

@@ -9,9 +9,9 @@ from rich.table import Table
 
 from ..conversion.job import Plan, convert_source, plan_source
 from ..errors import DeltafyError
-from ..options import DEFAULT_RECIPE
+from ..options import DEFAULT_RECIPE, ConvertOptions, convert_options
 from ._console import activity, console, err_console, state
-from ._options import OFF, DType, DTypeOpt, OverwriteOpt, RecipeOpt, check_number
+from ._options import OFF, OverwriteOpt, RecipeOpt, with_model_options
 
 
 def _print_plan(plan: Plan) -> None:
@@ -36,6 +36,12 @@ def _print_plan(plan: Plan) -> None:
         )
 
 
+@with_model_options(
+    ConvertOptions,
+    panel="Conversion options",
+    spellings={"verify": "--verify/--no-verify", "heads_only": "--heads-only", "streaming": "--streaming/--in-memory"},
+    source=None,
+)
 def convert_command(
     source: Annotated[str, typer.Argument(help="Hub id (gpt2), local HF folder, .gguf file, or smollm2-135m.")],
     out: Annotated[
@@ -48,41 +54,11 @@ def convert_command(
         ),
     ] = None,
     recipe: RecipeOpt = DEFAULT_RECIPE,
-    dtype: DTypeOpt = DType.auto,
     overwrite: OverwriteOpt = False,
-    no_verify: Annotated[
-        bool, typer.Option("--no-verify", help="Skip the self-check against the original model.", show_default=OFF)
-    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.", show_default=OFF)
     ] = False,
-    tolerance: Annotated[
-        float,
-        typer.Option(
-            help="Largest |Δlogits| the self-check accepts at init, in fp32; in bf16/fp16 at least "
-            "4·eps·max|logits| (the logits' own rounding)."
-        ),
-    ] = 1e-3,
-    device: Annotated[
-        str | None, typer.Option(help="Device for conversion and self-check, e.g. cuda.", show_default="cpu")
-    ] = None,
-    heads_only: Annotated[
-        bool,
-        typer.Option(
-            "--heads-only",
-            help="Write only the new heads; loading the folder fetches the source (pinned) and applies them.",
-            show_default=OFF,
-        ),
-    ] = False,
-    streaming: Annotated[
-        bool | None,
-        typer.Option(
-            "--streaming/--in-memory",
-            help="--streaming: convert a local safetensors folder without loading it and self-check it a decoder "
-            "layer at a time; --in-memory: load the whole model.",
-            show_default="streaming where the source allows it, layer by layer above 2 GiB of weights",
-        ),
-    ] = None,
+    **settings,
 ) -> None:
     """Convert a pretrained decoder into a Deep Delta Learning model that behaves like the original.
 
@@ -95,7 +71,7 @@ def convert_command(
       deltafy convert HuggingFaceTB/SmolLM2-135M --out ./smol-delta --heads-only
       deltafy convert ./Llama-3.1-70B --out ./llama70b-delta --streaming
     """
-    check_number("--tolerance", tolerance, minimum=0.0)
+    options = convert_options(**settings)  # every bad value named, before the dry run too
     if dry_run:
         _print_plan(plan_source(source, recipe))
         console.print("[dim]dry run: nothing was written[/]")
@@ -106,18 +82,7 @@ def convert_command(
     state.kept = f"nothing was written to {out}" + (", which is as it was" if out.exists() else "")
     with activity(err_console) as (status, progress):
         result = convert_source(
-            source,
-            out,
-            recipe=recipe,
-            dtype=dtype.value,
-            verify=not no_verify,
-            overwrite=overwrite,
-            tolerance=tolerance,
-            device=device,
-            status=status,
-            heads_only=heads_only,
-            streaming=streaming,
-            progress=progress,
+            source, out, recipe, overwrite=overwrite, status=status, progress=progress, **options.model_dump()
         )
     _print_plan(result.plan)
     if result.check is not None:

@@ -17,7 +17,7 @@ def eval_command(
     model: Annotated[str, typer.Argument(help="deltafy checkpoint, stock HF folder, .gguf file, alias or Hub id.")],
     data: Annotated[list[str], typer.Option("--data", "-d", help="Held-out text (files, folders, globs, datasets).")],
     dtype: DTypeOpt = DType.auto,
-    device: Annotated[str | None, typer.Option(help="e.g. cuda", show_default="cpu")] = None,
+    device: Annotated[str | None, typer.Option(help="Device to evaluate on, e.g. cuda.", show_default="cpu")] = None,
     base: BaseOpt = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
 from ..conversion.verify import PROMPTS, make_inputs
+from ..options import EvalOptions
 from ..surgery import mean_betas
 from ._console import console
 from ._options import OFF, BaseOpt
@@ -75,7 +76,12 @@ def inspect_command(
         bool, typer.Option("--overwrite", help="Replace the --plot file if it exists.", show_default=OFF)
     ] = False,
     text_field: Annotated[
-        str | None, typer.Option("--text-field", help="JSONL/dataset text field.", show_default="the run's, else text")
+        str | None,
+        typer.Option(  # read as eval reads it: EvalOptions' field, the run's value where the folder has one
+            "--text-field",
+            help=EvalOptions.model_fields["text_field"].description + ".",
+            show_default="the run's, else text",
+        ),
     ] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)

@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..hub.push import PushResult, push
+from ..options import PushOptions, push_options
 from ._console import console, state
-from ._options import OFF
+from ._options import OFF, with_model_options
 
 
 def _size(n: int) -> str:
@@ -56,33 +57,15 @@ def _print_plan(result: PushResult) -> None:
     console.print(escape(yaml.safe_dump(result.front_matter, sort_keys=False, allow_unicode=True).rstrip()))
 
 
+@with_model_options(
+    PushOptions,
+    panel="Push options",
+    spellings={"private": "--private", "message": ("--message", "-m"), "include_training": "--include-training"},
+    source=None,
+)
 def push_command(
     folder: Annotated[Path, typer.Argument(help="A deltafy checkpoint folder (from convert or train).")],
     repo: Annotated[str, typer.Option("--repo", help="Hub model repository, OWNER/NAME; created if missing.")],
-    private: Annotated[
-        bool,
-        typer.Option(
-            "--private", help="Create the repository private (an existing one keeps its own).", show_default=OFF
-        ),
-    ] = False,
-    revision: Annotated[
-        str | None,
-        typer.Option(
-            "--revision",
-            help="Branch to push to, created from main if new; or refs/pr/N, an open pull request.",
-            show_default="main",
-        ),
-    ] = None,
-    message: Annotated[
-        str | None,
-        typer.Option("--message", "-m", help="Commit message.", show_default="deltafy's version, base model, recipe"),
-    ] = None,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            "--token", help="Hub token with write access.", show_default="HF_TOKEN, else the `hf auth login` token"
-        ),
-    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -91,12 +74,7 @@ def push_command(
             show_default=OFF,
         ),
     ] = False,
-    include_training: Annotated[
-        bool,
-        typer.Option(
-            "--include-training", help="Upload the training state too (training/, optimizer files).", show_default=OFF
-        ),
-    ] = False,
+    **settings,
 ) -> None:
     """Upload a deltafy checkpoint to the Hugging Face Hub, card and code included.
 
@@ -108,7 +86,7 @@ def push_command(
       deltafy push ./smol-trained --repo me/smol-ddl --private
       deltafy push ./smol-delta --repo me/smol-ddl --revision heads-only --message "heads only"
     """
-    options = dict(private=private, revision=revision, message=message, token=token, include_training=include_training)
+    options = push_options(**settings).model_dump()  # every bad value named before anything is read
     state.kept = (
         "nothing was uploaded"
         if dry_run

@@ -10,7 +10,7 @@ import torch
 
 from ..checkpoint import save
 from ..errors import DeltafyError
-from ..options import Recipe, load_recipe
+from ..options import Recipe, convert_options, load_recipe
 from ..sources.folders import check_output_dir, refuse_overlap
 from ..sources.load import (
     ALIASES,
@@ -90,17 +90,14 @@ def convert_source(
     source: str,
     out: str | Path,
     recipe: Recipe | str | None = None,
-    dtype: str = "auto",
-    verify: bool = True,
+    *,
     overwrite: bool = False,
-    tolerance: float = 1e-3,
-    device: str | None = None,
     status: Callable[[str], None] = lambda message: None,
-    heads_only: bool = False,
-    streaming: bool | None = None,
     progress: Progress | None = None,
+    **settings,
 ) -> ConversionResult:
-    """Convert ``source`` (Hub id, folder, .gguf or alias) and save it at ``out``.
+    """Convert ``source`` (Hub id, folder, .gguf or alias) and save it at ``out``; ``settings`` are
+    ConvertOptions' (dtype, verify, tolerance, device, heads_only, streaming), checked before any work.
 
     With ``verify`` the converted model is compared with the original before anything is
     written, in the dtype it was loaded in; a failed check raises and leaves ``out`` untouched.
@@ -116,6 +113,9 @@ def convert_source(
     or ``streaming`` is True. ``streaming`` False loads the whole model, as for other sources.
     ``progress(what, advance, total)`` reports bytes written and layers checked.
     """
+    options = convert_options(**settings)
+    dtype, verify, tolerance, device = options.dtype, options.verify, options.tolerance, options.device
+    heads_only, streaming = options.heads_only, options.streaming
     out = Path(out).expanduser()
     guard_source(source, out, heads_only)
     check_output_dir(out, overwrite)
@@ -141,9 +141,7 @@ def convert_source(
         if streaming:
             raise DeltafyError(f"{source} cannot be converted by streaming: {plan}; convert it without --streaming")
         status(f"loading the whole model ({plan})")
-    elif streaming:
-        if device:
-            raise DeltafyError("--streaming converts on the CPU; drop --device or --streaming")
+    elif streaming:  # (with --device: refused by ConvertOptions)
         raise DeltafyError(f"{source} has no safetensors weights on this machine to stream; drop --streaming")
     status(f"loading {source}")
     loaded: Source = load_source(source, dtype)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import DeltafyError, first_line
 from ..modeling_deltafy import apply_deltafy, disabled, discard_captures, first_input
+from ..options import SELF_CHECK_TOLERANCE
 
 PROMPTS = (
     "The capital of France is",
@@ -236,7 +237,9 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
 LOGIT_ULPS = 4.0
 
 
-def logit_tolerance(dtype: torch.dtype, reference_logits: torch.Tensor, tolerance: float = 1e-3) -> float:
+def logit_tolerance(
+    dtype: torch.dtype, reference_logits: torch.Tensor, tolerance: float = SELF_CHECK_TOLERANCE
+) -> float:
     """The largest |Δlogits| the self-check accepts: ``tolerance`` in fp32 (and wider types); in
     bf16/fp16, whose logits are themselves rounded at eps*|logit| (a bf16 logit of 32 moves in steps
     of 0.25), at least LOGIT_ULPS * eps * max|reference logits|."""
@@ -247,7 +250,7 @@ def logit_tolerance(dtype: torch.dtype, reference_logits: torch.Tensor, toleranc
 
 
 @torch.no_grad()
-def self_check(model, reference: Reference, tolerance: float = 1e-3) -> CheckReport:
+def self_check(model, reference: Reference, tolerance: float = SELF_CHECK_TOLERANCE) -> CheckReport:
     """Compare a freshly converted ``model`` with the original's recorded ``reference``.
 
     ``tolerance`` bounds max |Δlogits| in fp32; bf16/fp16 models get at least their logits' own
@@ -294,7 +297,7 @@ def layerwise_self_check(
     heads: Mapping[str, torch.Tensor],
     weights,
     tokenizer=None,
-    tolerance: float = 1e-3,
+    tolerance: float = SELF_CHECK_TOLERANCE,
     progress: Callable[[int, int], None] | None = None,
     dtype: torch.dtype | None = None,
 ) -> CheckReport:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DeltafyError, first_line
+from ..options import push_options
 from .plan import (
     LOCK_PATTERNS,
     TRAINING_PATTERNS,
@@ -52,15 +53,12 @@ def push(
     folder: str | Path,
     repo: str,
     *,
-    private: bool = False,
-    revision: str | None = None,
-    message: str | None = None,
-    token: str | None = None,
     dry_run: bool = False,
-    include_training: bool = False,
     before_upload: Callable[[PushResult], None] | None = None,
+    **settings,
 ) -> PushResult:
-    """Upload the deltafy checkpoint ``folder`` to the Hub model repo ``repo`` (created if missing).
+    """Upload the deltafy checkpoint ``folder`` to the Hub model repo ``repo`` (created if missing);
+    ``settings`` are PushOptions' (private, revision, message, token, include_training).
 
     ``revision`` names a branch, created from ``main`` when new, or a pull request (``refs/pr/N``).
     ``dry_run`` runs the same checks and returns what would be uploaded without a single request.
@@ -73,11 +71,13 @@ def push(
         validate_repo_id(repo)
     except HFValidationError as err:
         raise DeltafyError(f"--repo {repo!r} is not a Hub repository id; use OWNER/NAME, e.g. me/smol-ddl") from err
+    options = push_options(**settings)
+    private, revision, message, token = options.private, options.revision, options.message, options.token
     folder = Path(folder).expanduser()
     config, heads_only = check_checkpoint(folder)
     front_matter = front_matter_of(folder)
     check_revision(revision)
-    ignore = LOCK_PATTERNS + ([] if include_training else TRAINING_PATTERNS)
+    ignore = LOCK_PATTERNS + ([] if options.include_training else TRAINING_PATTERNS)
     files, ignored = upload_plan(folder, ignore)
     refuse_tokens_in_files(folder, files, token or local_token())
     result = PushResult(

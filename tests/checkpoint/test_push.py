@@ -188,6 +188,25 @@ def test_dry_run_sends_nothing_and_shows_files_and_front_matter(hub, folder, cap
     assert_no_token(proc, folder)
 
 
+def test_push_settings_come_from_push_options(hub, folder, capsys):
+    """One source for each push setting: the command's flags are PushOptions' fields (unset: None, so
+    the model's default applies), and the library checks its keywords with the same model."""
+    import inspect
+
+    from deltafy.cli.push import push_command
+    from deltafy.errors import DeltafyError
+    from deltafy.options import PushOptions
+
+    parameters = inspect.signature(push_command).parameters
+    assert set(PushOptions.model_fields) <= set(parameters)
+    assert all(parameters[name].default is None for name in PushOptions.model_fields)
+    proc = run(capsys, "push", folder, "--repo", REPO, "-m", "short form", "--dry-run")  # -m: --message
+    assert proc.returncode == 0 and "commit message: short form" in proc.stdout, proc.stderr
+    with pytest.raises(DeltafyError, match=r"invalid push options: --privat: unknown key"):
+        push(folder, REPO, dry_run=True, privat=True)  # a typo is refused, not ignored
+    assert hub.requests == []
+
+
 def _drop(name):
     return lambda path: (path / name).unlink()
 

@@ -432,6 +432,35 @@ def test_bad_train_flags_are_reported_at_once(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_convert_settings_come_from_convert_options(tmp_path):
+    """One source for each conversion setting: convert's flags are ConvertOptions' fields (unset:
+    None, so the model's default applies), the library checks its keywords with the same model, and
+    every bad value is named, before anything is read or written."""
+    import inspect
+
+    from deltafy.cli.convert import convert_command
+    from deltafy.conversion.job import convert_source
+    from deltafy.errors import DeltafyError
+    from deltafy.options import SELF_CHECK_TOLERANCE, ConvertOptions, convert_options
+
+    parameters = inspect.signature(convert_command).parameters
+    assert set(ConvertOptions.model_fields) <= set(parameters)
+    assert all(parameters[name].default is None for name in ConvertOptions.model_fields)
+    assert convert_options().tolerance == SELF_CHECK_TOLERANCE and convert_options().verify is True
+    args = ("convert", tmp_path / "no-model", "--out", tmp_path / "out")
+    bad = {"--tolerance: Input should be a finite number": ("--tolerance", "nan")}
+    bad["streaming converts on the CPU; drop --device"] = ("--streaming", "--device", "cuda")  # a rule across flags
+    for needle, flags in bad.items():
+        proc = cli(*args, *flags, cwd=tmp_path)
+        assert proc.returncode == 1
+        assert_one_line_error(proc, "invalid conversion options: " + needle)
+    with pytest.raises(DeltafyError, match=r"--tolerance: Input should be greater than or equal to 0"):
+        convert_source(str(tmp_path / "no-model"), tmp_path / "out", tolerance=-1.0)
+    with pytest.raises(DeltafyError, match=r"--dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"):
+        convert_source(str(tmp_path / "no-model"), tmp_path / "out", dtype="float64")
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- occupied output folders ------------------------------------------------------------------------
 def test_out_folder_with_files_is_refused_and_overwrite_replaces_only_what_deltafy_wrote(tmp_path, src):
     out = tmp_path / "out"
