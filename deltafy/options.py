@@ -358,8 +358,9 @@ def _as_trained(name: str, description: str):
 
 class EvalOptions(BaseModel):
     """How ``deltafy eval`` and ``inspect`` read text: by default as the checkpoint's run did (its
-    recipe's ``training`` section records the run's settings), else as a run would by default. The
-    sizes' rules are ``evaluate.check_sizes``, which names each flag and what it takes."""
+    recipe's ``training`` section records the run's settings), else as a run would by default; and
+    what ``eval`` loads the model in and on. The sizes' rules are ``evaluate.check_sizes``, which
+    names each flag and what it takes."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -367,6 +368,8 @@ class EvalOptions(BaseModel):
     batch_size: int = _as_trained("batch_size", "blocks per forward, at least 1")
     max_blocks: int | None = Field(None, description="evaluate the first N blocks at most (unset: all of them)")
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+    dtype: DTypeName = Field("auto", description="precision to load the model in; auto: as the checkpoint records it")
+    device: str | None = Field(None, description="device to evaluate on, e.g. cuda", json_schema_extra={"shown": "cpu"})
 
 
 # -- a bench --------------------------------------------------------------------------------------

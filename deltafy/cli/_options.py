@@ -6,7 +6,6 @@ import inspect
 import math
 import types
 import typing
-from enum import Enum
 from typing import Annotated, Any, get_args, get_origin
 
 import typer
@@ -15,19 +14,10 @@ from pydantic.fields import FieldInfo
 from rich.markup import escape
 
 from ..errors import DeltafyError
-from ..options import DTypeName
-
-# eval's --dtype, beside a model (convert's comes from ConvertOptions): the same choices
-DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
-
 
 RecipeOpt = Annotated[
     str,
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
-]
-DTypeOpt = Annotated[
-    DType,
-    typer.Option("--dtype", help="Precision to load the model in; auto: as the checkpoint records it."),
 ]
 BaseOpt = Annotated[
     str | None,

@@ -6,7 +6,7 @@ import typer
 
 from ..options import EvalOptions
 from ._console import console
-from ._options import OFF, BaseOpt, DType, DTypeOpt, with_model_options
+from ._options import OFF, BaseOpt, with_model_options
 
 
 @with_model_options(
@@ -16,8 +16,6 @@ def eval_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="deltafy checkpoint, stock HF folder, .gguf file, alias or Hub id.")],
     data: Annotated[list[str], typer.Option("--data", "-d", help="Held-out text (files, folders, globs, datasets).")],
-    dtype: DTypeOpt = DType.auto,
-    device: Annotated[str | None, typer.Option(help="Device to evaluate on, e.g. cuda.", show_default="cpu")] = None,
     base: BaseOpt = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
@@ -44,7 +42,7 @@ def eval_command(
     data = list(data) + list(ctx.args)  # `--data dir/*.txt` expands to many paths
     expand(data)  # the same: a missing file is reported before the model is read
 
-    loaded, tokenizer = load_any(model, dtype.value, device, base=base)
+    loaded, tokenizer = load_any(model, options.dtype, options.device, base=base)
     if tokenizer is None:
         raise DeltafyError(f"{model} has no tokenizer; evaluation needs one to read text")
     result = evaluate_text(
