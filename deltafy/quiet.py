@@ -1,6 +1,7 @@
 """Third-party output kept out of deltafy's: transformers' logs and progress bars around a library
 call, and, for the command line, the start-up chatter of the libraries a run imports (DeepSpeed's
-"Setting accelerator to CPU" on every ``deltafy train``, huggingface_hub's retries of an unreachable Hub).
+"Setting accelerator to CPU" on every ``deltafy train``, huggingface_hub's retries of an unreachable Hub,
+transformers' warnings).
 ``--debug`` shows all of it."""
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def quiet_third_parties() -> None:
     # huggingface_hub's warnings, e.g. a line for each retry of an unreachable Hub before deltafy's own
     # one-line error; read once, by its import (a user's own setting stays)
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    # transformers' warnings, e.g. that a GGUF base loaded in bf16 casts its matmuls' inputs (a heads-only
+    # folder's base, loaded by the checkpoint's own code): advice for code calling transformers, not for
+    # someone running a command; read by its logging set-up on import (a user's own setting stays)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # a library's deprecation notice is for the code that calls it, not for someone running a command
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in _CHATTY:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import resource
 import signal
@@ -118,7 +119,7 @@ def test_no_progress_bars_on_stderr(converted):
 def test_no_library_bar_or_warning_unless_debug(tmp_path):
     """tqdm reads TQDM_DISABLE once, when it is imported, and the commands' imports import it: the
     command line sets it first (transformers' GGUF dequantization draws a bare tqdm bar), and keeps
-    DeepSpeed's import-time warning off. --debug shows everything."""
+    DeepSpeed's import-time warning and transformers' warnings off. --debug shows everything."""
     child = (
         "import logging, sys\n"
         "from deltafy.cli import main\n"  # (imports no tqdm: deltafy's entry point is what imports it)
@@ -127,6 +128,8 @@ def test_no_library_bar_or_warning_unless_debug(tmp_path):
         "bar = tqdm.tqdm(range(3), file=sys.stdout)\n"
         "print('bar', bar.disable)\n"
         "print('deepspeed', logging.getLogger('DeepSpeed').filter(logging.makeLogRecord({'levelno': 30})))\n"
+        "from transformers.utils import logging as hf_logging\n"
+        "print('transformers', hf_logging.get_verbosity())\n"
     )
     env = cli_env()
     env.pop("TQDM_DISABLE", None)
@@ -135,10 +138,12 @@ def test_no_library_bar_or_warning_unless_debug(tmp_path):
     )
     assert quiet.returncode == 0, quiet.stderr
     assert "bar True" in quiet.stdout and "deepspeed False" in quiet.stdout, quiet.stdout
+    assert f"transformers {logging.ERROR}" in quiet.stdout, quiet.stdout  # its warnings off, its errors on
     debug = subprocess.run(
         [sys.executable, "-c", child, "--debug", "recipes"], env=env, capture_output=True, text=True, cwd=tmp_path
     )
     assert "bar False" in debug.stdout and "deepspeed True" in debug.stdout, debug.stdout
+    assert f"transformers {logging.WARNING}" in debug.stdout, debug.stdout
 
 
 def test_dry_run_prints_sites_and_writes_nothing(tmp_path, src):
