@@ -29,7 +29,7 @@ def bench_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the converted models, runs and results.")],
     arms: Annotated[
         str | None,
-        typer.Option("--arms", help="Comma-separated arms (see below).", show_default="all"),
+        typer.Option("--arms", help="Comma-separated arms (listed above).", show_default="all"),
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the bench in --out, keeping its finished runs.", show_default=OFF)

@@ -118,5 +118,6 @@ def train_command(
 
         betas = " ".join(f"{b:.2g}" for b in result.mean_beta_per_layer)
         on = f" on {result.mean_beta_on}" if result.mean_beta_on else ""
-        console.print(f"mean {factor_label(read_config(result.out)['deltafy'])} per layer{on}: {betas}")
+        label = factor_label(read_config(result.out)["deltafy"])
+        console.print(f"mean {label} per layer (its sites averaged){on}: {betas}")
         console.print(f"wrote [bold]{escape(str(result.out))}[/]")

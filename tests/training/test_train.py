@@ -503,7 +503,8 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
     assert [line.split(" ", 1)[0] for line in proc.stdout.splitlines()] == ["held-out", "mean", "wrote"], proc.stdout
     # the line says what the betas were measured on: the held-out blocks, at the recipe's length
     held_blocks = len(pack(token_stream([str(held), str(held_too)], tiny.tokenizer, use_cache=False), 32))
-    assert f"mean α·β per layer on the first {min(held_blocks, 4)} held-out blocks of 32 tokens: " in proc.stdout
+    on = f"on the first {min(held_blocks, 4)} held-out blocks of 32 tokens"
+    assert f"mean α·β per layer (its sites averaged) {on}: " in proc.stdout
     assert all(line.startswith("train: ") for line in proc.stderr.splitlines()), proc.stderr
     record = json.loads((out / "training" / "run.json").read_text())
     assert record["eval_sources"] == [str(held), str(held_too)] and record["data_sources"] == [str(tiny.train_txt)]
