@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 import types
 import typing
 from typing import Annotated, Any, get_args, get_origin
@@ -33,17 +32,6 @@ OFF = "off"
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace --out if it already holds files.", show_default=OFF)
 ]
-
-
-def check_number(option: str, value: float | int | None, *, minimum: float | None = None) -> None:
-    """Refuse a value click parsed but the command cannot use (``--seq-len 0``, ``--tolerance nan``)
-    before any work, naming the option and what it takes; None is an unset option."""
-    if value is None:
-        return
-    kind = "an integer" if isinstance(value, int) else "a finite number"
-    if not math.isfinite(value) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" ≥ {minimum:g}"
-        raise DeltafyError(f"{option} takes {kind}{bound}; got {value}")
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -137,7 +125,6 @@ def extra_text_paths(ctx) -> tuple[list[str], list[str]]:
     """Paths past an option's first value (a shell glob expands ``--eval-data held/*.md`` into many),
     as (training text, held-out text): each belongs to the option it follows on the command line.
     Held-out text read as training text would make every held-out number meaningless."""
-    from ..errors import DeltafyError
     from ._console import state
 
     data, held = [], []
