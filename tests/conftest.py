@@ -15,6 +15,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Tests that run the command line in this process (``main([...])``) get its start-up settings
+    (quiet.py sets TRANSFORMERS_VERBOSITY and others for the rest of a run): a later test's child
+    process must not inherit them, nor any other variable a test left behind."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(params=sorted(TINY_CASES))
 def case(request) -> str:
     return request.param

@@ -132,7 +132,8 @@ def test_no_library_bar_or_warning_unless_debug(tmp_path):
         "print('transformers', hf_logging.get_verbosity())\n"
     )
     env = cli_env()
-    env.pop("TQDM_DISABLE", None)
+    for name in ("TQDM_DISABLE", "HF_HUB_VERBOSITY", "TRANSFORMERS_VERBOSITY"):  # a user's own setting would stay
+        env.pop(name, None)
     quiet = subprocess.run(
         [sys.executable, "-c", child, "recipes"], env=env, capture_output=True, text=True, cwd=tmp_path
     )
