@@ -227,14 +227,15 @@ class DeltaSite(nn.Module):
     def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(g, u, 1/|c|) per token in c's precision: gate logit (beta = 2 sigmoid(g)), target (v = u rms(x),
         channels first). Both read the unit context, so an Adam step lr moves them by at most lr sqrt(d) at any
-        model's norms; v in RMS units lets one lr fit every scale. Vecdots, not a matmul of the stacked heads:
-        on CPU the cat and the addmm cost 8 us more a site (measured)."""
-        gate, target, dot = self.gate, self.target, torch.linalg.vecdot
-        inv_norm_c = torch.rsqrt(dot(c, c) + 1e-6)
-        g = torch.addcmul(_like(gate.bias, c), dot(c, _like(gate.weight, c)), inv_norm_c)
+        model's norms; v in RMS units lets one lr fit every scale. Dot products, not a matmul of the stacked
+        heads (on CPU the cat and the addmm cost 8 us more a site, measured), written as products that promote
+        bf16/fp16 weights inside the op: a cast of its own would be one more kernel to launch."""
+        gate, target = self.gate, self.target
+        inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c) + 1e-6)
+        g = torch.addcmul(gate.bias, (c * gate.weight).sum(-1), inv_norm_c)
         if self.channels == 1:
-            return g, torch.addcmul(_like(target.bias, c), dot(c, _like(target.weight, c)), inv_norm_c), inv_norm_c
-        u = torch.addcmul(_like(target.bias, c), F.linear(c, _like(target.weight, c)), inv_norm_c.unsqueeze(-1))
+            return g, torch.addcmul(target.bias, (c * target.weight).sum(-1), inv_norm_c), inv_norm_c
+        u = torch.addcmul(target.bias, F.linear(c, _like(target.weight, c)), inv_norm_c.unsqueeze(-1))
         return g, u.movedim(-1, 0), inv_norm_c
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -243,13 +244,15 @@ class DeltaSite(nn.Module):
 
     def formula(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h' such that ``x + m h'`` is ddl_reference's (x, h': (d_v, ...) with channels), in fp32 or h's wider dtype,
-        returned in h's. Only vecdots and fused multiply-adds, no no-op dtype call: decoding pays a dispatch per op."""
+        returned in h's. Only dot products and fused multiply-adds, and no cast an op can do as it reads (the
+        weights, x): decoding pays a dispatch per op."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.formula(x, c, h)
-        dtype, work, dot = h.dtype, torch.promote_types(h.dtype, torch.float32), torch.linalg.vecdot
-        if not x.dtype == c.dtype == dtype == work:
-            x, c, h = x.to(work), c.to(work), h.to(work)
+        dtype, dot = h.dtype, torch.linalg.vecdot
+        work = torch.promote_types(torch.promote_types(dtype, x.dtype), torch.float32)
+        if not c.dtype == dtype == work:  # (x is read where the ops reading it promote it: its norm, k.x)
+            c, h = c.to(work), h.to(work)
         g, u, inv_norm_c = self.heads(c)
         # k = kr / sqrt(|kr|^2 + eps^2): the sublayer's write (kr = h, m folded into eps) or a learned head
         if self.direction is None:
@@ -258,13 +261,13 @@ class DeltaSite(nn.Module):
             kr, eps = self.direction(c * inv_norm_c.unsqueeze(-1)), self.eps
         inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
-        norm_x = torch.linalg.vector_norm(x, dim=-1)
-        kx = dot(kr, x) * inv_n if self.erase else torch.zeros_like(norm_x)  # (write-only: no readout to erase)
+        norm_x = torch.linalg.vector_norm(x, dim=-1, dtype=work)
+        kx = (kr * x).sum(-1) * inv_n if self.erase else torch.zeros_like(norm_x)  # (write-only: no readout to erase)
         miss = torch.addcmul(kx, u, norm_x, value=-(self.hidden_size**-0.5))
         # x + m h' = x + m h + beta (v - k.x) k  <=>  h' = h - (2 sigmoid(g) / m) (k.x - v) kr / n
         coef = torch.sigmoid(g) * miss * inv_n
         if self.strength is not None:  # alpha = 0 at init: h' = h bitwise
-            coef = coef * _like(self.strength, coef)
+            coef = coef * self.strength
         out = torch.addcmul(h, kr, coef.unsqueeze(-1), value=-2.0 / self.scale)
         return out if out.dtype == dtype else out.to(dtype)
 
