@@ -227,9 +227,8 @@ class DeltaSite(nn.Module):
     def heads(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(g, u, 1/|c|) per token in c's precision: gate logit (beta = 2 sigmoid(g)), target (v = u rms(x),
         channels first). Both read the unit context, so an Adam step lr moves them by at most lr sqrt(d) at any
-        model's norms; v in RMS units lets one lr fit every scale. Dot products, not a matmul of the stacked
-        heads (on CPU the cat and the addmm cost 8 us more a site, measured), written as products that promote
-        bf16/fp16 weights inside the op: a cast of its own would be one more kernel to launch."""
+        model's norms; v in RMS units lets one lr fit every scale. Dot products (a matmul of the stacked heads
+        costs 8 us more a site on CPU, measured) that promote bf16 weights as they read them (a cast: a kernel)."""
         gate, target = self.gate, self.target
         inv_norm_c = torch.rsqrt(torch.linalg.vecdot(c, c) + 1e-6)
         g = torch.addcmul(gate.bias, (c * gate.weight).sum(-1), inv_norm_c)
@@ -244,8 +243,7 @@ class DeltaSite(nn.Module):
 
     def formula(self, x: torch.Tensor, c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h' such that ``x + m h'`` is ddl_reference's (x, h': (d_v, ...) with channels), in fp32 or h's wider dtype,
-        returned in h's. Only dot products and fused multiply-adds, and no cast an op can do as it reads (the
-        weights, x): decoding pays a dispatch per op."""
+        returned in h's. Dot products, fused multiply-adds, no cast an op does as it reads: decoding pays per op."""
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.formula(x, c, h)
