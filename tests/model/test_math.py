@@ -273,6 +273,22 @@ def test_low_precision_tensors_compute_in_fp32(direction, dtype):
     torch.testing.assert_close(out, ref.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype, casts", [(torch.float32, 0), (torch.bfloat16, 3), (torch.float16, 3)])
+@pytest.mark.parametrize("direction", ["sublayer", "learned"])
+def test_the_formula_casts_only_the_context_the_write_and_its_result(direction, dtype, casts):
+    """Decoding pays a dispatched call per op: the heads' weights, biases, alpha and the stream x are promoted
+    by the ops that read them, not cast by calls of their own (a learned direction's matmul casts its own)."""
+    from torch.profiler import profile
+
+    site = _site(direction, gate="strength").to(dtype)
+    x, c, h = _tensors(13, dtype=dtype)
+    with torch.no_grad(), profile() as prof:
+        site.formula(x, c, h)
+    top = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    assert top.count("aten::to") == casts + (casts > 0 and direction == "learned")  # (direction.proj.weight)
+    assert top.count("aten::addcmul") == 4  # (what was profiled: the formula's multiply-adds)
+
+
 def test_fp16_large_stream_does_not_overflow():
     """|x| ~ 1e3 over d = 16 has a sum of squares above fp16's range; the heads must still be finite."""
     site = _site("sublayer", target_bias=0.0).half()
