@@ -247,8 +247,7 @@ class DeltaSite(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # autocast would run the heads in bf16/fp16
             with torch.autocast(h.device.type, enabled=False):
                 return self.formula(x, c, h)
-        dtype, dot = h.dtype, torch.linalg.vecdot
-        work = torch.promote_types(torch.promote_types(dtype, x.dtype), torch.float32)
+        dtype, work = h.dtype, torch.promote_types(torch.promote_types(h.dtype, x.dtype), torch.float32)
         if not c.dtype == dtype == work:  # (x is read where the ops reading it promote it: its norm, k.x)
             c, h = c.to(work), h.to(work)
         g, u, inv_norm_c = self.heads(c)
@@ -257,7 +256,7 @@ class DeltaSite(nn.Module):
             kr, eps = h, self.eps / self.scale
         else:
             kr, eps = self.direction(c * inv_norm_c.unsqueeze(-1)), self.eps
-        inv_n = torch.rsqrt(dot(kr, kr) + eps * eps)
+        inv_n = torch.rsqrt(torch.linalg.vecdot(kr, kr) + eps * eps)
         # k.x - v, where v = u rms(x) = u |x| / sqrt(d)
         norm_x = torch.linalg.vector_norm(x, dim=-1, dtype=work)
         kx = (kr * x).sum(-1) * inv_n if self.erase else torch.zeros_like(norm_x)  # (write-only: no readout to erase)
