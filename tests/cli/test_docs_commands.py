@@ -14,6 +14,7 @@ import typer
 from deltafy.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
+COMMAND = typer.main.get_command(app)  # the click command deltafy's parser is
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
 _FENCE = re.compile(r"```[\w-]*\n(.*?)```", re.S)
 _INLINE = re.compile(r"`(deltafy [^`\n]+)`")
@@ -42,12 +43,11 @@ def _flags(command) -> set[str]:
 
 def problems(line: str) -> list[str]:
     """What ``deltafy``'s own parser would refuse in ``line``: an unknown command, or a flag it does not take."""
-    root = typer.main.get_command(app)
     try:
         words = shlex.split(line)[1:]
     except ValueError:  # an unclosed quote in prose
         words = line.split()[1:]
-    command, flags = root, _flags(root) | {"--help"}
+    command, flags = COMMAND, _flags(COMMAND) | {"--help"}
     while words and hasattr(command, "commands") and not words[0].startswith("-"):
         if words[0] in ("…", "...", "COMMAND"):  # a placeholder for any command
             return []
