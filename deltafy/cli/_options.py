@@ -18,19 +18,34 @@ RecipeOpt = Annotated[
     str,
     typer.Option("--recipe", "-r", help="Bundled recipe name (see `deltafy recipes`) or a YAML file."),
 ]
+# A flag that is off unless given: typer shows no default for it, so it is named here.
+OFF = "off"
+
+
+def described(text: str, default: str) -> dict:
+    """``help=`` and ``show_default=`` of a flag whose default is a description (off, the recipe's) rather than a
+    value: shown as typer shows a value, a dim ``[default: off]`` after the help (typer would show ``(off)``)."""
+    return {"help": f"{escape(text)} [dim]{escape(f'[default: {default}]')}[/dim]", "show_default": False}
+
+
+def sentence(description: str) -> str:
+    """A field's description, a phrase ("learning rate of the heads"), as a flag's help: a sentence."""
+    return description[:1].upper() + description[1:] + ("" if description.endswith(".") else ".")
+
+
 BaseOpt = Annotated[
     str | None,
     typer.Option(
         "--base",
         metavar="PATH",
-        help="Where a heads-only checkpoint's base model is now, if it moved (checked against its hashes).",
-        show_default="where the checkpoint says",
+        **described(
+            "Where a heads-only checkpoint's base model is now, if it moved (checked against its hashes).",
+            "where the checkpoint says",
+        ),
     ),
 ]
-# A flag that is off unless given: typer shows no default for it, so it is named here (click shows it "(off)").
-OFF = "off"
 OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace --out if it already holds files.", show_default=OFF)
+    bool, typer.Option("--overwrite", **described("Replace --out if it already holds files.", OFF))
 ]
 
 
@@ -57,12 +72,12 @@ def _field_option(
     default = field.default
     # what an unset flag means where the model's None does not say it (``{"shown": "cpu"}``)
     shown = field.json_schema_extra.get("shown") if isinstance(field.json_schema_extra, dict) else None
-    notes, extra = [], {}
+    choices, extra = "", {}
     if kind is bool:
         spelling = spelling or f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}"
         default = "on" if default else "off"
     if get_origin(kind) is typing.Literal:  # choices in the help: typer's <a|b|c> type column crowds out the flags
-        notes.append(" | ".join(get_args(kind)))
+        choices = f" ({' | '.join(get_args(kind))})"
         extra["metavar"] = "CHOICE"
     if get_origin(kind) is list:  # one comma-separated value, as people type module lists
         numbers = _flag_type(get_args(kind)[0]) in (float, int)
@@ -71,11 +86,9 @@ def _field_option(
         default = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in default)
     # The effective default may be the recipe's (--recipe, else the checkpoint's) rather than the model's.
     shown = shown or ("unset" if default is None else default)
-    notes.append(f"default: {shown}" + (f", or {source}" if source else ""))
     option = typer.Option(
         *((spelling,) if isinstance(spelling, str) else spelling or ("--" + name.replace("_", "-"),)),
-        help=escape(f"{field.description} ({'; '.join(notes)})"),  # --help reads help as rich markup
-        show_default=False,
+        **described(sentence(field.description + choices), f"{shown}, or {source}" if source else str(shown)),
         rich_help_panel=panel,
         **extra,
     )

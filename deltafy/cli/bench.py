@@ -9,7 +9,7 @@ from rich.markup import escape
 from ..bench.arms import ARMS, swept_group
 from ..options import BenchOptions
 from ._console import console, err_console, state
-from ._options import OFF, OverwriteOpt, extra_text_paths, with_model_options
+from ._options import OFF, OverwriteOpt, described, extra_text_paths, with_model_options
 
 
 # Every bench setting is a flag generated from BenchOptions, the model run_bench validates them with.
@@ -29,10 +29,10 @@ def bench_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the converted models, runs and results.")],
     arms: Annotated[
         str | None,
-        typer.Option("--arms", help="Comma-separated arms (listed above).", show_default="all"),
+        typer.Option("--arms", **described("Comma-separated arms (listed above).", "all")),
     ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue the bench in --out, keeping its finished runs.", show_default=OFF)
+        bool, typer.Option("--resume", **described("Continue the bench in --out, keeping its finished runs.", OFF))
     ] = False,
     overwrite: OverwriteOpt = False,
     **flags,

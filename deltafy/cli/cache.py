@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from ._console import console
-from ._options import OFF
+from ._options import OFF, described
 
 cache_app = typer.Typer(
     help="See and drop deltafy's caches (token streams, dequantized GGUF weights).", no_args_is_help=True
@@ -33,7 +33,7 @@ def _where() -> str:
 @cache_app.command("info")
 def info_command(
     json_out: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
+        bool, typer.Option("--json", **described("Print one JSON object and nothing else.", OFF))
     ] = False,
 ) -> None:
     """Show the cache folder, its kinds of cache (entries, size) and what each token stream came from.
@@ -77,9 +77,7 @@ def info_command(
 def clear_command(
     everything: Annotated[
         bool,
-        typer.Option(
-            "--all", help="Also drop the dequantized GGUF weights and deltafy 0.1's kernels.", show_default=OFF
-        ),
+        typer.Option("--all", **described("Also drop the dequantized GGUF weights and deltafy 0.1's kernels.", OFF)),
     ] = False,
 ) -> None:
     """Remove the cached token streams (with --all, every kind of cache) and say how much space came back.

@@ -11,7 +11,7 @@ from ..conversion.job import Plan, convert_source, plan_source
 from ..errors import DeltafyError
 from ..options import DEFAULT_RECIPE, ConvertOptions, convert_options
 from ._console import activity, console, err_console, state
-from ._options import OFF, OverwriteOpt, RecipeOpt, with_model_options
+from ._options import OFF, OverwriteOpt, RecipeOpt, described, with_model_options
 
 
 def _print_plan(plan: Plan) -> None:
@@ -49,14 +49,13 @@ def convert_command(
         typer.Option(
             "--out",
             "-o",
-            help="Folder to write the converted checkpoint to.",
-            show_default="none: needed but for --dry-run",
+            **described("Folder to write the converted checkpoint to.", "none; required unless --dry-run"),
         ),
     ] = None,
     recipe: RecipeOpt = DEFAULT_RECIPE,
     overwrite: OverwriteOpt = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Show the sites and parameters added; write nothing.", show_default=OFF)
+        bool, typer.Option("--dry-run", **described("Show the sites and parameters added; write nothing.", OFF))
     ] = False,
     **settings,
 ) -> None:

@@ -6,7 +6,7 @@ import typer
 
 from ..options import EvalOptions
 from ._console import console
-from ._options import OFF, BaseOpt, with_model_options
+from ._options import OFF, BaseOpt, described, with_model_options
 
 
 @with_model_options(
@@ -18,7 +18,7 @@ def eval_command(
     data: Annotated[list[str], typer.Option("--data", "-d", help="Held-out text (files, folders, globs, datasets).")],
     base: BaseOpt = None,
     json_out: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
+        bool, typer.Option("--json", **described("Print one JSON object and nothing else.", OFF))
     ] = False,
     **flags,
 ) -> None:

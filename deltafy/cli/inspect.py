@@ -15,7 +15,7 @@ from ..conversion.verify import PROMPTS, make_inputs
 from ..options import EvalOptions
 from ..surgery import mean_betas
 from ._console import console
-from ._options import OFF, BaseOpt
+from ._options import OFF, BaseOpt, described, sentence
 
 # Enough text for a stable mean without a long wait on CPU: at most 8 blocks (of the run's length).
 MAX_BLOCKS, BATCH = 8, 4
@@ -59,32 +59,32 @@ def inspect_command(
         typer.Option(
             "--data",
             "-d",
-            help="Text to measure the gates on (files, folders, globs, datasets).",
-            show_default="built-in prompts",
+            **described("Text to measure the gates on (files, folders, globs, datasets).", "built-in prompts"),
         ),
     ] = None,
     plot: Annotated[
         Path | None,
         typer.Option(
             "--plot",
-            help="Draw the mean gate factor (α·β with a strength gate, else β) per layer and site into this "
-            ".png (or .svg, .pdf).",
-            show_default="no picture",
+            **described(
+                "Draw the mean gate factor (α·β with a strength gate, else β) per layer and site into this "
+                ".png (or .svg, .pdf).",
+                "no picture",
+            ),
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace the --plot file if it exists.", show_default=OFF)
+        bool, typer.Option("--overwrite", **described("Replace the --plot file if it exists.", OFF))
     ] = False,
     text_field: Annotated[
         str | None,
         typer.Option(  # read as eval reads it: EvalOptions' field, the run's value where the folder has one
             "--text-field",
-            help=EvalOptions.model_fields["text_field"].description + ".",
-            show_default="the run's, else text",
+            **described(sentence(EvalOptions.model_fields["text_field"].description), "the run's, else text"),
         ),
     ] = None,
     json_out: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object and nothing else.", show_default=OFF)
+        bool, typer.Option("--json", **described("Print one JSON object and nothing else.", OFF))
     ] = False,
     base: BaseOpt = None,
 ) -> None:

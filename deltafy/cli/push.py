@@ -13,7 +13,7 @@ from rich.table import Table
 from ..hub.push import PushResult, push
 from ..options import PushOptions, push_options
 from ._console import console, state
-from ._options import OFF, with_model_options
+from ._options import OFF, described, with_model_options
 
 
 def _size(n: int) -> str:
@@ -70,8 +70,7 @@ def push_command(
         bool,
         typer.Option(
             "--dry-run",
-            help="Run every check of a push, show the files and the card front matter; contact nothing.",
-            show_default=OFF,
+            **described("Run every check of a push, show the files and the card front matter; contact nothing.", OFF),
         ),
     ] = False,
     **settings,

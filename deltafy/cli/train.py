@@ -8,7 +8,7 @@ from rich.markup import escape
 
 from ..options import LaunchOptions, TrainingDefaults, load_recipe
 from ._console import console, err_console, spinner_status
-from ._options import OFF, BaseOpt, OverwriteOpt, extra_text_paths, with_model_options
+from ._options import OFF, BaseOpt, OverwriteOpt, described, extra_text_paths, sentence, with_model_options
 
 
 # Every training setting is a flag generated from TrainingDefaults, the model that also validates
@@ -36,34 +36,30 @@ def train_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the trained checkpoint and run state.")],
     eval_data: Annotated[
         list[str] | None,
-        typer.Option("--eval-data", help="Held-out text.", show_default="the --held-out share of --data"),
+        typer.Option("--eval-data", **described("Held-out text.", "the --held-out share of --data")),
     ] = None,
     recipe: Annotated[
         str | None,
         typer.Option(
             "--recipe",
             "-r",
-            help="Recipe name or YAML whose training section sets the defaults.",
-            show_default="the checkpoint's recipe",
+            **described("Recipe name or YAML whose training section sets the defaults.", "the checkpoint's recipe"),
         ),
     ] = None,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue the run saved in --out.", show_default=OFF)
-    ] = False,
+    resume: Annotated[bool, typer.Option("--resume", **described("Continue the run saved in --out.", OFF))] = False,
     overwrite: OverwriteOpt = False,
     heads_only: Annotated[
         bool,
         typer.Option(
             "--heads-only",
-            help="Save only the heads (and the kept LoRA adapter) over the input's base model.",
-            show_default=OFF,
+            **described("Save only the heads (and the kept LoRA adapter) over the input's base model.", OFF),
         ),
     ] = False,
     base_model: BaseOpt = None,  # (not `base`: below that is the recipe's training defaults)
     # A launch option, not a training one: how a run is spread over processes is no part of a recipe.
     fsdp: Annotated[
         bool,
-        typer.Option("--fsdp", help=LaunchOptions.model_fields["fsdp"].description + ".", show_default=OFF),
+        typer.Option("--fsdp", **described(sentence(LaunchOptions.model_fields["fsdp"].description), OFF)),
     ] = False,
     **flags,
 ) -> None:

@@ -511,7 +511,7 @@ def test_every_bench_flag_is_a_field_of_its_options_model_with_its_default_in_th
     assert set(BenchOptions.model_fields) <= set(parameters)
     assert all(parameters[name].default is None for name in BenchOptions.model_fields)
     help_text = " ".join(CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output.split())
-    assert "default: 0.3,1,3" in help_text and "default: 4)" in help_text and "default: 256)" in help_text
+    assert "[default: 0.3,1,3]" in help_text and "[default: 4]" in help_text and "[default: 256]" in help_text
 
 
 def test_the_help_lists_every_arm_with_its_description():
