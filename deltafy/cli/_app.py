@@ -11,6 +11,7 @@ from rich.markup import escape
 from .. import interrupts
 from ..errors import DeltafyError, Interrupted, first_line
 from ._console import console, err_console, state
+from ._options import OFF, described
 from .bench import bench_command
 from .cache import cache_app
 from .convert import convert_command
@@ -32,7 +33,7 @@ app = typer.Typer(
 
 @app.callback()
 def _global(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    debug: bool = typer.Option(False, "--debug", **described("Show full tracebacks on errors.", OFF)),
 ) -> None:
     state.debug = debug
 
