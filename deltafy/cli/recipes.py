@@ -1,5 +1,6 @@
-from rich.markup import escape
-from rich.table import Table
+import textwrap
+
+from rich.text import Text
 
 from ..options import DEFAULT_RECIPE, bundled_recipes, load_recipe
 from ._console import console
@@ -7,12 +8,17 @@ from ._console import console
 
 def recipes_command() -> None:
     """List the bundled recipes. Pass a name, or a path to your own YAML file, to --recipe."""
-    table = Table("name", "direction", "channels", "gate at init", "description", box=None)
-    for name in bundled_recipes():
+    names = sorted(bundled_recipes(), key=lambda name: name != DEFAULT_RECIPE)  # the default first
+    labels = {name: name + " (default)" * (name == DEFAULT_RECIPE) for name in names}
+    width = max(map(len, labels.values()))
+    for name in names:  # a line of settings, the description wrapped under it: readable at 80 columns
         recipe = load_recipe(name)
-        direction = recipe.direction + (f" (rank {recipe.rank})" if recipe.rank else "")
-        label = name + (" (default)" if name == DEFAULT_RECIPE else "")
-        gate = "strength α = 0" if recipe.gate == "strength" else f"logit {recipe.gate_bias:g}"
-        cells = (label, direction, str(recipe.channels), gate, recipe.description)
-        table.add_row(*map(escape, cells))  # a Table reads its cells as markup; a description is plain text
-    console.print(table)
+        direction = f"direction {recipe.direction}" + (f" (rank {recipe.rank})" if recipe.rank else "")
+        gate = "strength α = 0" if recipe.gate == "strength" else f"gate logit {recipe.gate_bias:g}"
+        settings = f"  {direction} · d_v = {recipe.channels} · {gate}"
+        console.print(Text.assemble((f"{labels[name]:<{width}}", "bold"), settings))
+        indent = " " * 4
+        text = textwrap.fill(
+            recipe.description, max(console.width, 40), initial_indent=indent, subsequent_indent=indent
+        )
+        console.print(text, markup=False)  # (a description is plain text, not markup)

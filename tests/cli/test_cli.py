@@ -181,6 +181,9 @@ def test_help_and_recipes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "ddl-scalar" in proc.stdout and "ddl-learned" in proc.stdout and "(default)" in proc.stdout
     assert "ddl-expanded" in proc.stdout and "strength α = 0" in proc.stdout and "logit -18" in proc.stdout
+    assert proc.stdout.startswith("ddl-scalar (default)")  # the default first
+    assert max(map(len, proc.stdout.splitlines())) <= 80, proc.stdout  # a pipe's 80 columns, nothing cut
+    assert "zero-initialized strength" in proc.stdout  # each description whole
     script = Path(sys.executable).parent / "deltafy"
     if script.is_file():  # the installed console script
         run = subprocess.run(
