@@ -86,7 +86,7 @@ def run_settings(source: str, flags: dict | None = None):
         # stock model does, so the two stay comparable.
         if "max_eval_blocks" in section and (folder / METRICS_FILE).is_file():
             section["max_blocks"] = section.pop("max_eval_blocks")
-    return options_from(section, EvalOptions, **(flags or {}))
+    return options_from(section, EvalOptions, what="evaluation", **(flags or {}))
 
 
 def load_any(source: str, dtype: str = "auto", device: str | None = None, base: str | None = None):

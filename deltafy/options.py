@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+import torch
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -40,6 +42,27 @@ Mode = Literal["heads", "heads+lora", "lora", "ia3", "ln-tuning", "base", "all"]
 ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
 HEAD_MODES = ("heads", "heads+lora", "all")  # the modes that train the DDL heads (at the recipe's lr)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # a precision to load (and convert) a model in
+
+
+def _usable_device(name: str) -> str:
+    """``name`` if torch can run on that device here: a typo or a missing GPU is the user's to fix, not a bug."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{name!r} is not a device; e.g. cpu, cuda, cuda:1, mps") from None
+    backends = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
+    if device.type != "cpu" and device.type not in backends:
+        raise ValueError(f"deltafy runs on cpu, cuda, mps or xpu, not {device.type}")
+    backend = backends.get(device.type)
+    if backend is not None and not backend.is_available():
+        raise ValueError(f"{name}: torch {torch.__version__} finds no {device.type} device here; use cpu")
+    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{name}: this machine has {count} {device.type} device(s), {device.type}:0 to :{count - 1}")
+    return name
+
+
+DeviceName = Annotated[str, AfterValidator(_usable_device)]  # checked when the options are, before any work
 SELF_CHECK_TOLERANCE = 1e-3  # the largest |Δlogits| a conversion's self-check accepts in fp32
 
 
@@ -247,7 +270,7 @@ class ConvertOptions(BaseModel):
         description="largest |Δlogits| the self-check accepts at init, in fp32; in bf16/fp16 at least "
         "4·eps·max|logits| (the logits' own rounding)",
     )
-    device: str | None = Field(
+    device: DeviceName | None = Field(
         None, description="device for conversion and self-check, e.g. cuda", json_schema_extra={"shown": "cpu"}
     )
     heads_only: bool = Field(
@@ -323,9 +346,10 @@ class TrainOptions(TrainingDefaults, LaunchOptions):
     """Every ``deltafy train`` setting: the recipe's training defaults plus the launch options."""
 
 
-def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOptions, **flags):
+def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOptions, *, what="training", **flags):
     """A recipe's ``training`` section overlaid by explicit flags (``None`` flags keep the recipe's),
-    as ``model`` (the section's keys that ``model`` has, for a command that reads only some of them).
+    as ``model`` (the section's keys that ``model`` has, for a command that reads only some of them);
+    ``what`` names the options in an error ("invalid evaluation options: ...").
 
     Every bad value is reported at once, named where the user can fix it: ``--seq-len`` for a
     flag, ``training.seq_len`` for the recipe's section.
@@ -346,7 +370,7 @@ def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOpt
                 return "--" + str(loc[0]).replace("_", "-")
             return ".".join(map(str, ("training", *loc)))
 
-        raise DeltafyError(f"invalid training options: {format_validation(err, where)}") from err
+        raise DeltafyError(f"invalid {what} options: {format_validation(err, where)}") from err
 
 
 # -- reading held-out text ------------------------------------------------------------------------
@@ -369,7 +393,9 @@ class EvalOptions(BaseModel):
     max_blocks: int | None = Field(None, description="evaluate the first N blocks at most (unset: all of them)")
     text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
     dtype: DTypeName = Field("auto", description="precision to load the model in; auto: as the checkpoint records it")
-    device: str | None = Field(None, description="device to evaluate on, e.g. cuda", json_schema_extra={"shown": "cpu"})
+    device: DeviceName | None = Field(
+        None, description="device to evaluate on, e.g. cuda", json_schema_extra={"shown": "cpu"}
+    )
 
 
 # -- a bench --------------------------------------------------------------------------------------

@@ -459,7 +459,11 @@ def test_convert_settings_come_from_convert_options(tmp_path):
     assert convert_options().tolerance == SELF_CHECK_TOLERANCE and convert_options().verify is True
     args = ("convert", tmp_path / "no-model", "--out", tmp_path / "out")
     bad = {"--tolerance: Input should be a finite number": ("--tolerance", "nan")}
-    bad["streaming converts on the CPU; drop --device"] = ("--streaming", "--device", "cuda")  # a rule across flags
+    bad["streaming converts on the CPU; drop --device"] = ("--streaming", "--device", "cpu")  # a rule across flags
+    # a device torch cannot parse, or has no such device of (no machine has 100 GPUs): the user's to fix
+    bad["--device: 'tpu' is not a device; e.g. cpu, cuda"] = ("--device", "tpu")
+    bad["--device: cuda:99: "] = ("--device", "cuda:99")
+    bad["--device: deltafy runs on cpu, cuda, mps or xpu, not meta"] = ("--device", "meta")
     for needle, flags in bad.items():
         proc = cli(*args, *flags, cwd=tmp_path)
         assert proc.returncode == 1
@@ -468,6 +472,17 @@ def test_convert_settings_come_from_convert_options(tmp_path):
         convert_source(str(tmp_path / "no-model"), tmp_path / "out", tolerance=-1.0)
     with pytest.raises(DeltafyError, match=r"--dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"):
         convert_source(str(tmp_path / "no-model"), tmp_path / "out", dtype="float64")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_refuses_a_device_it_cannot_run_on_before_loading(tmp_path):
+    """eval's --device is checked with its options, named as the flag: not an internal error from torch
+    after the model has loaded."""
+    args = ("eval", tmp_path / "no-model", "--data", tmp_path / "no-text")
+    for device, needle in (("tpu", "'tpu' is not a device"), ("cuda:99", "cuda:99: "), ("cuda:x", "'cuda:x'")):
+        proc = cli(*args, "--device", device, cwd=tmp_path)
+        assert proc.returncode == 1
+        assert_one_line_error(proc, "invalid evaluation options: --device: " + needle)
     assert list(tmp_path.iterdir()) == []
 
 
