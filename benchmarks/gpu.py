@@ -34,6 +34,9 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     are resident do not count), GiB; CUDA only.
   max |dlogits|     fused vs reference on a 2 x 256 [1 x 32] batch (baseline column: max |logits|; ratio:
                     relative to it).
+  kernels decode b1 kernels launched by one batch-1 decode token (benchmarks/kernel_count.py's count: CUDA
+                    kernels on a GPU, working aten ops on CPU, where the fused column says why it has none);
+                    targets there: reference <= 1.8x, fused <= 1.15x.
 "ratio" is variant/baseline. A cell that fails prints error (its first line is listed under the table) and
 the run goes on; --deadline (GPU default 440 s) stops it, printing what it has, so that it never hangs. The
 compiled rows run after every eager one, batch-1 decode first; one that would start after --budget seconds
@@ -62,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 from benchmark_models import cache_kwarg, fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
+from kernel_count import decode_kernels
 
 import deltafy
 import deltafy.fused
@@ -119,6 +123,7 @@ MEASURES = {
     "train memory vs full": ("GiB", "full FT", None),
     "train memory vs LoRA": ("GiB", "LoRA r=8", ("<=", 1.10)),
     "max |dlogits|": ("abs", "max|logits|", None),
+    "kernels decode b1": ("count", "original", None),  # (two targets: reference <= 1.8x, fused <= 1.15x)
 }
 COLUMNS = {"baseline": "original", "reference": "reference", "fused": "fused"}  # column -> variant
 TRAIN_MEASURES = ("train step vs full", "train step vs LoRA", "train memory vs full", "train memory vs LoRA")
@@ -555,6 +560,7 @@ class ModelRun:
             measure = f"decode b{batch}"
             b.run(name, measure, lambda m=measure, n=batch: {m: self.by_column(b.decode(self.models, n, False))})
         b.run(name, TRAIN_MEASURES, self.train)
+        b.run(name, "kernels decode b1", lambda: {"kernels decode b1": self.kernels()})
 
     def compiled(self, stage: int) -> None:
         """Stage 0: batch-1 decode (the row with a compiled target); 1: prefill; 2: the other batches."""
@@ -577,6 +583,17 @@ class ModelRun:
         measure = f"decode b{batch} compiled"
         fn = lambda: {measure: self.compiled_columns(self.bench.decode(self.traced(), batch, True))}  # noqa: E731
         self.bench.run(self.name, measure, fn, compiled=True)
+
+    def kernels(self) -> dict:
+        """Kernels of a batch-1 decode token per variant; the fused path's only where its kernels launch (on
+        CPU benchmarks/kernel_count.py counts its launches without running them)."""
+        device = self.bench.device
+        counted = {v: decode_kernels(m, device=device)[0] for v, m in self.models.items() if v != "fused"}
+        if "fused" in self.models and device == "cuda":
+            counted["fused"] = decode_kernels(self.models["fused"], device=device)[0]
+        out = self.by_column(counted)
+        out.setdefault("fused", "counted on CUDA only (on CPU: python benchmarks/kernel_count.py)")
+        return out
 
     def dlogits(self) -> dict:
         if "fused" not in self.models:

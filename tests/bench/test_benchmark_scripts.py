@@ -70,7 +70,7 @@ def test_gpu_script_on_cpu_prints_every_row_with_the_targets(gpu_cpu_run):
     table = stdout[stdout.index("model ") :]
     rows = [line for line in table.splitlines() if line.startswith("tiny Llama (random)")]
     measures = {row["measure"] for row in cells}
-    assert set(EAGER + TRAIN + COMPILED) | {"max |dlogits|", "train memory vs LoRA"} <= measures
+    assert set(EAGER + TRAIN + COMPILED) | {"max |dlogits|", "train memory vs LoRA", "kernels decode b1"} <= measures
     assert len(rows) == len(cells)
     for measure in measures:
         assert any(f" {measure} " in line for line in rows), measure
@@ -89,6 +89,8 @@ def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
         assert "error" not in str(row["fused"]), row
     for measure in COMPILED:  # compiled rows are off on CPU unless --compile: a note, not a number
         assert "--compile" in by_measure[measure]["reference"]
+    kernels = by_measure["kernels decode b1"]  # the device run counts a decode token's kernels too
+    assert _positive(kernels["baseline"]) and kernels["reference"] > kernels["baseline"], kernels
     memory = by_measure["train memory vs LoRA"]
     assert "CPU" in memory["baseline"] and memory["target"] == ["<=", 1.1]
 
