@@ -14,7 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 import yaml
 from pydantic import (
     AfterValidator,
@@ -32,6 +31,7 @@ from pydantic import (
 
 from .errors import DeltafyError, first_line
 from .modeling_deltafy import DeltaSpec
+from .placement import usable_device
 
 DEFAULT_RECIPE = "ddl-scalar"
 SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds are 32-bit
@@ -42,27 +42,7 @@ Mode = Literal["heads", "heads+lora", "lora", "ia3", "ln-tuning", "base", "all"]
 ADAPTER_MODES = ("lora", "heads+lora", "ia3")  # the modes that train a peft adapter (merged or kept apart)
 HEAD_MODES = ("heads", "heads+lora", "all")  # the modes that train the DDL heads (at the recipe's lr)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # a precision to load (and convert) a model in
-
-
-def _usable_device(name: str) -> str:
-    """``name`` if torch can run on that device here: a typo or a missing GPU is the user's to fix, not a bug."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"{name!r} is not a device; e.g. cpu, cuda, cuda:1, mps") from None
-    backends = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
-    if device.type != "cpu" and device.type not in backends:
-        raise ValueError(f"deltafy runs on cpu, cuda, mps or xpu, not {device.type}")
-    backend = backends.get(device.type)
-    if backend is not None and not backend.is_available():
-        raise ValueError(f"{name}: torch {torch.__version__} finds no {device.type} device here; use cpu")
-    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else 1
-    if device.index is not None and device.index >= count:
-        raise ValueError(f"{name}: this machine has {count} {device.type} device(s), {device.type}:0 to :{count - 1}")
-    return name
-
-
-DeviceName = Annotated[str, AfterValidator(_usable_device)]  # checked when the options are, before any work
+DeviceName = Annotated[str, AfterValidator(usable_device)]  # checked when the options are, before any work
 SELF_CHECK_TOLERANCE = 1e-3  # the largest |Δlogits| a conversion's self-check accepts in fp32
 
 

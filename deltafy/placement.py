@@ -1,4 +1,5 @@
-"""Where a converted model's modules go when it is loaded with ``device_map="auto"``.
+"""Where a converted model runs: whether a device the user names is there, and where its modules go
+when it is loaded with ``device_map="auto"``.
 
 accelerate's automatic map offloads whole decoder layers to the CPU or disk when they do not fit,
 and a layer's DDL heads would go with it: an offloaded parameter is reloaded from its offload
@@ -8,10 +9,30 @@ transformers computes it, then every site's heads are moved to the device the mo
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 OFFLOAD = ("cpu", "disk")
 AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def usable_device(name: str) -> str:
+    """``name`` if torch can run on that device here, else a ValueError that says why: a typo or a missing
+    GPU is the user's to fix (the options models check ``--device`` with it before any work)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{name!r} is not a device; e.g. cpu, cuda, cuda:1, mps") from None
+    backends = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
+    if device.type != "cpu" and device.type not in backends:
+        raise ValueError(f"deltafy runs on cpu, cuda, mps or xpu, not {device.type}")
+    backend = backends.get(device.type)
+    if backend is not None and not backend.is_available():
+        raise ValueError(f"{name}: torch {torch.__version__} finds no {device.type} device here; use cpu")
+    count = backend.device_count() if backend is not None and hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{name}: this machine has {count} {device.type} device(s), {device.type}:0 to :{count - 1}")
+    return name
 
 
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
