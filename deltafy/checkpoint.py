@@ -22,7 +22,7 @@ from .errors import DeltafyError, first_line
 from .files import CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
 from .options import Recipe
-from .placement import AUTO, auto_device_map
+from .placement import AUTO, auto_device_map, usable_device
 from .quiet import quiet_transformers
 from .sources.folders import atomic_dir
 from .sources.load import NO_REMOTE_CODE
@@ -332,6 +332,11 @@ def load(
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
+    if device is not None:  # before the load: a typo or a missing GPU is the caller's to fix, as --device's
+        try:
+            usable_device(str(device))
+        except ValueError as err:
+            raise DeltafyError(f"device={str(device)!r}: {err}") from None
     config = read_config(path)
     spec = config["deltafy"]
     if base is not None and "base" not in spec:

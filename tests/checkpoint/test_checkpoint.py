@@ -622,6 +622,15 @@ def test_load_refuses_stock_folder_and_other_format_version(tmp_path, small_conv
         deltafy.load(out)
 
 
+def test_load_refuses_a_device_it_cannot_run_on_before_loading(tmp_path, small_converted):
+    out = deltafy.save(small_converted, tmp_path / "out")
+    with pytest.raises(deltafy.DeltafyError, match=r"^device='cuda:99': cuda:99: "):  # no machine has 100 GPUs
+        deltafy.load(out, device="cuda:99")
+    with pytest.raises(deltafy.DeltafyError, match=r"^device='tpu': 'tpu' is not a device"):
+        deltafy.load(tmp_path / "nowhere", device="tpu")  # (refused before the folder is read)
+    assert next(deltafy.load(out, device=torch.device("cpu")).parameters()).device.type == "cpu"
+
+
 def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path, small_converted):
     out = deltafy.save(small_converted, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
