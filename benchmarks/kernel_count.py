@@ -53,9 +53,9 @@ import sys
 import time
 from collections import Counter
 
-import benchmark_models  # (benchmarks/ is on the path of a script run from it)
 import torch
-from benchmark_models import cache_kwarg, fused_api, smollm2_label
+from benchmark_models import cache_kwarg, fused_api, smollm2_label  # (benchmarks/ is on a script's path)
+from benchmark_models import load as load_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
@@ -382,7 +382,7 @@ def derived(result: dict, phase: str) -> dict:
 def load(name: str, dtype: torch.dtype):
     if name == "smollm2":
         LABELS[name] = smollm2_label()
-    return benchmark_models.load(name, dtype)
+    return load_model(name, dtype)
 
 
 LABELS = {"smollm2": "SmolLM2-135M", "gpt2": "GPT-2 124M (random)"}

@@ -328,15 +328,15 @@ def load(
     A heads-only checkpoint loads its base model first (``base``: from there instead of where the
     checkpoint says; a local base is checked against the hashes the checkpoint recorded).
     """
-    import transformers
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
     if device is not None:  # before the load: a typo or a missing GPU is the caller's to fix, as --device's
         try:
             usable_device(str(device))
         except ValueError as err:
             raise DeltafyError(f"device={str(device)!r}: {err}") from None
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
     config = read_config(path)
     spec = config["deltafy"]
     if base is not None and "base" not in spec:
