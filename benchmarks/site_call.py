@@ -5,6 +5,7 @@ of the original layer it sits in.
     python benchmarks/site_call.py --device cuda         # bf16: the fused path too
     python benchmarks/site_call.py --width 2048 --calls 2000
     python benchmarks/site_call.py --device cuda --decode   # and per site in a decode step, split up
+    python benchmarks/site_call.py --device cuda --decode --profile fused   # and where its host time goes
 
 A batch-1 decode step is host-bound on a GPU: every module call and kernel launch costs the CPU a few
 microseconds while the GPU waits. kernel_count.py counts launches; this times what issuing them costs.
@@ -17,13 +18,18 @@ add (one kernel). Rows alternate round by round; the median of --rounds rounds i
 --decode also times batch-1 decoding (KV cache, a synchronize after each token) of a random Llama of
 this width (--layers, two sites a layer) and splits what the conversion adds per site and token: the
 capture and write around the two modules each site hooks alone (every site's write returns h), the
-formula, and the fused path.
+formula, the fused path, and the fused path's call without its launch (its checks, plan and contiguity,
+then h returned: what is left of the fused row is the launch). --profile VARIANT then runs cProfile over
+--tokens decode tokens of that variant and prints the functions that took the most time of their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -60,6 +66,22 @@ def _returns_h(site, x, c, h):
     return h
 
 
+@contextlib.contextmanager
+def _launch_skipped():
+    """deltafy.fused.kernel.write as it is, but its launch returns h (a timing variant: the output is wrong)."""
+    from deltafy.fused import kernel
+
+    launch = kernel._forward
+    kernel._forward = lambda x, c, h, *rest: h
+    try:
+        yield
+    finally:
+        kernel._forward = launch
+
+
+VARIANTS = ("original", "capture and write alone", "formula", "fused", "fused, no launch")
+
+
 def decode_costs(args, device: str, dtype: torch.dtype, sync) -> tuple[dict[str, float], int]:
     """Median µs per decoded token of each variant, and the number of sites."""
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
@@ -77,8 +99,8 @@ def decode_costs(args, device: str, dtype: torch.dtype, sync) -> tuple[dict[str,
     with torch.device(device):
         original = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     variants = {"original": original}
-    for name in ("capture and write alone", "formula", "fused"):
-        if name == "fused" and not deltafy.fused.supported(device):
+    for name in VARIANTS[1:]:
+        if name.startswith("fused") and not deltafy.fused.supported(device):
             continue
         model = deltafy.convert(copy.deepcopy(original), "ddl-scalar").eval()
         deltafy.fused.disable(model)  # (convert turns the fused path on where CUDA and triton are)
@@ -87,27 +109,42 @@ def decode_costs(args, device: str, dtype: torch.dtype, sync) -> tuple[dict[str,
             for module in model.modules():
                 if isinstance(module, DeltaSite):
                     module.fused = _returns_h
-        elif name == "fused":
+        elif name.startswith("fused"):
             deltafy.fused.enable(model)
         variants[name] = model
     prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
     kwarg = cache_kwarg(original)
+
+    def decode(name: str, profiler: cProfile.Profile | None = None) -> list[float]:
+        model, cache = variants[name], DynamicCache(config=config)
+        with _launch_skipped() if name == "fused, no launch" else contextlib.nullcontext():
+            token = model(input_ids=prompt, **{kwarg: cache}).logits[:, -1:].argmax(-1)
+            steps = []
+            for _ in range(args.tokens):
+                sync()
+                start = time.perf_counter()
+                with profiler or contextlib.nullcontext():
+                    token = model(input_ids=token, **{kwarg: cache}).logits[:, -1:].argmax(-1)
+                    sync()
+                steps.append(time.perf_counter() - start)
+        return steps
+
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for r in range(args.rounds + 1):  # round 0 warms up
             names = list(variants)
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                model, cache = variants[name], DynamicCache(config=config)
-                token = model(input_ids=prompt, **{kwarg: cache}).logits[:, -1:].argmax(-1)
-                steps = []
-                for _ in range(args.tokens):
-                    sync()
-                    start = time.perf_counter()
-                    token = model(input_ids=token, **{kwarg: cache}).logits[:, -1:].argmax(-1)
-                    sync()
-                    steps.append(time.perf_counter() - start)
+                steps = decode(name)
                 if r:
                     times[name].append(statistics.median(steps) * 1e6)
+        if args.profile:
+            if args.profile not in variants:
+                raise SystemExit(f"--profile {args.profile!r}: this run has the variants {', '.join(variants)}")
+            profiler = cProfile.Profile()
+            decode(args.profile, profiler)
+            what = f"{args.tokens} decode tokens, {args.profile}"
+            print(f"\nprofile of {what} (cProfile: its overhead inflates each call)")
+            pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(args.profile_top)
     return {name: statistics.median(t) for name, t in times.items()}, 2 * args.layers
 
 
@@ -120,7 +157,11 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="also split a decode step's cost per site")
     parser.add_argument("--layers", type=int, default=30, help="--decode: the model's layers (SmolLM2: 30)")
     parser.add_argument("--tokens", type=int, default=16, help="--decode: tokens decoded a round")
+    parser.add_argument("--profile", choices=VARIANTS, help="--decode: cProfile this variant's decode tokens")
+    parser.add_argument("--profile-top", type=int, default=25, help="--profile: the functions printed")
     args = parser.parse_args()
+    if args.profile and not args.decode:
+        parser.error("--profile needs --decode")
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -42,12 +42,12 @@ def _positive(value) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, env: dict | None = None) -> str:
     """A benchmark script's stdout, run as a user runs it (from the repository root); it must exit 0."""
     proc = subprocess.run(
         [sys.executable, f"benchmarks/{script}", *args],
         cwd=REPO,
-        env=subprocess_env(),
+        env=subprocess_env(env),
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -130,25 +130,49 @@ def test_kernel_counts_of_a_tiny_llama(capsys):
     assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
 
 
-def test_site_call_prints_its_rows_with_finite_times():
-    stdout = _run("site_call.py", "--width", "64", "--calls", "20", "--rounds", "2", "--decode", "--layers", "2")
+def _site_call(*args: str, env: dict | None = None) -> tuple[dict, str, dict]:
+    """site_call.py --decode at width 64: its call rows (issue, total µs), what follows them up to the decode
+    table (notes, the profile), and the decode rows (µs a token, added a site)."""
+    stdout = _run(
+        "site_call.py", "--width", "64", "--calls", "20", "--rounds", "2", "--decode", "--layers", "2", *args, env=env
+    )
     calls, decode = stdout.split("\ndecode, batch 1: ")
     lines = calls.splitlines()
     assert "cpu float32, shape (1, 1, 64)" in lines[0]
-    times = {}
+    times, rest = {}, []
     for line in lines[2:]:
-        if not line.startswith("  "):  # (an indented line is a note)
+        if rest or line.startswith("  ") or not line.strip():  # (an indented line is a note)
+            rest.append(line)
+        else:
             times[line[:26].strip()] = tuple(float(v) for v in line.split()[-2:])
-    assert set(times) == {"site, formula", "RMSNorm (yardstick)", "residual add (yardstick)", "empty module call"}
     for issue, total in times.values():
         assert 0 < issue <= total and math.isfinite(total)
-    assert "site, fused: deltafy.fused.supported() is False" in stdout
-    # the decode split, per site over the original (timings are not asserted: they are the script's output)
     head, _, *rows = decode.splitlines()
     assert head == "a 2-layer Llama of width 64, 4 sites"
     per_token = {row[:26].strip(): [float(v) for v in row.split()[-2:]] for row in rows}
-    assert set(per_token) == {"original", "capture and write alone", "formula"}
     assert per_token["original"][1] == 0 and all(us > 0 and math.isfinite(us) for us, _ in per_token.values())
+    return times, "\n".join(rest), per_token
+
+
+def test_site_call_prints_its_rows_with_finite_times():
+    times, rest, per_token = _site_call("--profile", "formula")
+    assert set(times) == {"site, formula", "RMSNorm (yardstick)", "residual add (yardstick)", "empty module call"}
+    assert "site, fused: deltafy.fused.supported() is False" in rest
+    # the decode split, per site over the original (timings are not asserted: they are the script's output)
+    assert set(per_token) == {"original", "capture and write alone", "formula"}
+    # the profile of the formula's decode tokens: the site's own functions among those that took the most time
+    assert "profile of 16 decode tokens, formula" in rest
+    assert "(formula)" in rest.split("Ordered by: internal time")[1]
+
+
+def test_site_call_splits_the_fused_call_from_its_launch():
+    """Under Triton's interpreter the fused rows run on CPU: "fused, no launch" is the fused path's call with
+    its launch returning h, which the script undoes (the fused row, timed after it in the next round, still
+    launches: an interpreted launch costs milliseconds, a call without one microseconds)."""
+    times, rest, per_token = _site_call("--tokens", "2", env={"TRITON_INTERPRET": "1"})
+    assert "site, fused" in times
+    assert set(per_token) == {"original", "capture and write alone", "formula", "fused", "fused, no launch"}
+    assert per_token["fused"][1] > 10 * per_token["fused, no launch"][1]
 
 
 @pytest.fixture
