@@ -54,6 +54,8 @@ def expand(paths: list[str]) -> list[str]:
             if not files:
                 raise DeltafyError(f"no files match {raw} (and no file or folder has that name)")
             found += files
+        elif path.exists():  # a device, a pipe, a socket: nothing to read texts from
+            raise DeltafyError(f"{raw} is not a file or a folder; pass a text file, a folder of them or a dataset")
         elif (
             raw.startswith((".", "/", "~"))
             or Path(raw).suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES + (".json",)

@@ -316,6 +316,8 @@ def load_source(source: str, dtype: str = "auto") -> Source:
         loaded = _load_pretrained(str(path), str(path), dtype, local_files_only=True)
         loaded.provenance = local_provenance(path)
         return loaded
+    if path.exists():  # a device, a pipe, a socket
+        raise DeltafyError(f"{source} is not a file or a folder; pass a model folder, a .gguf file or a Hub id")
     if not is_hub_id(source):
         raise DeltafyError(f"source not found: {source} (no such file or folder)")
     # The commit "main" is now, resolved once: every file of the load comes from it, and a heads-only

@@ -77,6 +77,8 @@ def test_expand_errors(tmp_path):
     (tmp_path / "bare" / "weights.bin").write_bytes(b"\x00")
     one_line_error(lambda: expand([str(tmp_path / "bare")]), "holds no .txt, .md or .jsonl files")
     one_line_error(lambda: expand([str(tmp_path / "*.nothing")]), "no files match", "*.nothing")
+    # something that exists but is neither (it was called "not found")
+    one_line_error(lambda: expand([os.devnull]), f"{os.devnull} is not a file or a folder")
 
 
 def test_a_path_that_exists_is_a_path_whatever_its_name(tmp_path, monkeypatch):
