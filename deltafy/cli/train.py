@@ -80,12 +80,21 @@ def train_command(
     if eval_data is not None or extra_eval:
         eval_data = list(eval_data or []) + extra_eval
     if recipe:
-        base = load_recipe(recipe).training.model_dump()
+        chosen = load_recipe(recipe)
+        base = chosen.training.model_dump()
     else:
         from ..checkpoint import read_config
 
         base = read_config(model_dir)["deltafy"]["recipe"].get("training")
     options = options_from(base, fsdp=fsdp, **flags)  # flags left unset are None: the recipe's values stay
+    if recipe and (kept := _heads_kept(model_dir, chosen)):
+        err_console.print(
+            f"note: --recipe {recipe} sets the training defaults only; this checkpoint keeps the heads it was "
+            f"converted with ({kept}); convert with --recipe {recipe} for its heads",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     with spinner_status(err_console) as status:
         result = run_training(
             model_dir,
@@ -117,3 +126,20 @@ def train_command(
         label = factor_label(read_config(result.out)["deltafy"])
         console.print(f"mean {label} per layer (its sites averaged){on}: {betas}")
         console.print(f"wrote [bold]{escape(str(result.out))}[/]")
+
+
+def _heads_kept(model_dir: Path, chosen) -> str:
+    """The conversion settings (direction, gate, ...) of the checkpoint in which ``chosen`` differs from it, as
+    ``key value`` pairs ("" where none does, or where the folder is unreadable: the run says so itself)."""
+    from ..checkpoint import read_config
+    from ..errors import DeltafyError
+
+    try:
+        converted = read_config(model_dir)["deltafy"].get("recipe", {})
+    except DeltafyError:
+        return ""
+    mine = chosen.model_dump(mode="json", exclude={"name", "description", "training"})
+    show = lambda value: "none" if value is None else value  # noqa: E731  (YAML's null, as a reader says it)
+    return ", ".join(
+        f"{key} {show(converted[key])}" for key in mine if key in converted and converted[key] != mine[key]
+    )

@@ -434,6 +434,33 @@ def test_train_flags_reach_the_options(monkeypatch, tmp_path):
     assert seen == {"data": ["a.txt", "b.txt"], "options": TrainOptions(**expected.model_dump())}
 
 
+def test_train_says_a_recipe_does_not_change_the_heads(monkeypatch, tmp_path, capsys):
+    """--recipe of train sets the training defaults only: where its conversion settings differ from the
+    checkpoint's, a note says which ones the checkpoint keeps (it trained the scalar heads silently)."""
+    import deltafy.training.job
+    from deltafy.cli import main
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(  # (NaN: nothing trained, nothing printed after the note)
+        deltafy.training.job,
+        "run_training",
+        lambda *a, **k: SimpleNamespace(loss_after=float("nan"), already_finished=False),
+    )
+    delta = deltafy.save(deltafy.convert(tiny_model("llama-tied")), tmp_path / "delta")  # ddl-scalar
+    for recipe, note in [
+        ("ddl-learned", "this checkpoint keeps the heads it was converted with (direction sublayer, rank none); "
+         "convert with --recipe ddl-learned for its heads"),
+        ("ddl-scalar-logit", "(gate strength, gate_bias 0.0)"),
+        ("ddl-scalar", None),
+    ]:  # fmt: skip
+        main(["train", str(delta), "--data", "a.txt", "--out", str(tmp_path / "o"), "--recipe", recipe])
+        err = capsys.readouterr().err
+        if note is None:
+            assert "note:" not in err, err
+        else:
+            assert f"note: --recipe {recipe} sets the training defaults only; " in err and note in err, err
+
+
 def test_bad_train_flags_are_reported_at_once(tmp_path):
     args = ["train", tmp_path / "no-model", "--data", "x.txt", "--out", tmp_path / "out", "--recipe", "ddl-scalar"]
     proc = cli(*args, "--lr", "-1", "--warmup", "2", "--seq-len", "0", cwd=tmp_path)
