@@ -17,10 +17,9 @@ FORMAT = 1
 
 def guard(out: Path, resume: bool, overwrite: bool) -> dict | None:
     """The bench saved in ``out`` when resuming, after refusing what would write over the user's files."""
-    from ..training.run_folder import holds_files
+    from ..sources.folders import holds_files, refuse_non_folder
 
-    if out.exists() and not out.is_dir():
-        raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")
+    refuse_non_folder(out)
     saved = read(out / BENCH_FILE)
     if not holds_files(out):
         return None

@@ -31,12 +31,22 @@ def is_output(folder: Path) -> bool:
     return is_deltafy_folder(folder) or (folder / STATE_DIR / RECORD_FILE).is_file()
 
 
+def holds_files(out: Path) -> bool:
+    """Whether an --out folder holds anything but a run's lock: an output (or the user's files) is there."""
+    return out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir())
+
+
+def refuse_non_folder(out: Path) -> None:
+    """An --out that exists as a file (or a device): every command's output is a folder."""
+    if out.exists() and not out.is_dir():
+        raise DeltafyError(f"--out {out} exists and is not a folder; choose another --out")
+
+
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Refuse early (before any heavy work) to write over something the user already has."""
     clear_leftovers(out)
-    if out.exists() and not out.is_dir():
-        raise DeltafyError(f"{out} exists and is not a folder; choose another --out")
-    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+    refuse_non_folder(out)
+    if holds_files(out):
         if not overwrite:
             raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
         if not is_output(out):

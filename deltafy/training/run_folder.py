@@ -32,12 +32,11 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
     (``reads``: its data, a base; ``within``: the base a heads-only output loads, which ``--out`` may
     not lie inside either); without --resume or --overwrite, one that holds files; with --overwrite,
     one that deltafy did not write."""
-    from ..sources.folders import check_writable, is_output, refuse_overlap
+    from ..sources.folders import check_writable, holds_files, is_output, refuse_non_folder, refuse_overlap
 
     check_resume(resume, overwrite)
     refuse_overlap(out, [("the input model folder", Path(model_dir)), *reads], within)
-    if out.exists() and not out.is_dir():
-        raise DeltafyError(f"--out {out} is a file, not a folder; choose another --out")
+    refuse_non_folder(out)
     if holds_files(out):
         if not (resume or overwrite):
             raise DeltafyError(
@@ -51,10 +50,6 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
                 f"--out"
             )
     check_writable(out)
-
-
-def holds_files(out: Path) -> bool:
-    return out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir())
 
 
 def clear_run_state(out: Path, state_dir: Path, metrics: Path) -> None:

@@ -336,7 +336,7 @@ def test_bad_data_and_out_are_refused(tiny, tmp_path):
         run_bench(str(tiny.stock), [str(empty)], [str(tiny.held_txt)], out, arms=["heads"], seeds=1, isolate=False)
     assert not out.exists()  # refused before its first run: nothing that would block the corrected command
     (tmp_path / "file").write_text("mine")
-    with pytest.raises(DeltafyError, match="is a file, not a folder"):
+    with pytest.raises(DeltafyError, match="exists and is not a folder"):
         run_bench(str(tiny.stock), [str(tiny.train_txt)], [str(tiny.held_txt)], tmp_path / "file")
     mine = tmp_path / "mine"
     mine.mkdir()
