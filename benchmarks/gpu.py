@@ -48,44 +48,24 @@ Targets: prefill >= 0.97x; batch-1 decode >= 0.90x eager and >= 0.95x compiled; 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import faulthandler
 import json
-import math
 import os
-import signal
-import statistics
-import sys
 import threading
-import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
-from benchmark_models import cache_kwarg, fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
+from benchmark_models import fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
+from gpu_table import COLUMNS, LABELS, MEASURES, TRAIN_MEASURES, Table, finite_json
+from gpu_timing import Bench, Shapes, first_line
 from kernel_count import decode_kernels
 
 import deltafy
 import deltafy.fused
 
-# -- what is measured ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shapes:
-    prefill: tuple[int, int]
-    prompt: int
-    new_tokens: int
-    decode_batches: tuple[int, ...]
-    train: tuple[int, int]
-    logits: tuple[int, int]
-    rounds: int  # timed rounds (prefill, decode) after one warm-up round
-    train_steps: int  # timed steps per variant after warm-up
-    train_warmup: int
-
-
+# -- what is measured (the table's rows: gpu_table.py; how each is timed: gpu_timing.py) ----------
 FULL = Shapes((4, 1024), 32, 32, (1, 8), (8, 1024), (2, 256), rounds=3, train_steps=3, train_warmup=2)
 SMALL = Shapes((1, 64), 16, 4, (1, 8), (2, 64), (1, 32), rounds=2, train_steps=2, train_warmup=1)
 
@@ -108,158 +88,6 @@ LLAMA_TINY = dict(
     vocab_size=128,
     max_position_embeddings=512,
 )
-LABELS = {"smollm2": "SmolLM2-135M", "llama-1b": "Llama-1B (random)", "tiny-llama": "tiny Llama (random)"}
-
-# measure -> (unit, baseline column label, target: (">=" or "<=", value) or None)
-MEASURES = {
-    "prefill": ("tok/s", "original", (">=", 0.97)),
-    "prefill compiled": ("tok/s", "original", (">=", 0.97)),
-    "decode b1": ("tok/s", "original", (">=", 0.90)),
-    "decode b1 compiled": ("tok/s", "original", (">=", 0.95)),
-    "decode b8": ("tok/s", "original", None),
-    "decode b8 compiled": ("tok/s", "original", None),
-    "train step vs full": ("ms", "full FT", ("<=", 0.60)),
-    "train step vs LoRA": ("ms", "LoRA r=8", ("<=", 1.10)),
-    "train memory vs full": ("GiB", "full FT", None),
-    "train memory vs LoRA": ("GiB", "LoRA r=8", ("<=", 1.10)),
-    "max |dlogits|": ("abs", "max|logits|", None),
-    "kernels decode b1": ("count", "original", None),  # (two targets: reference <= 1.8x, fused <= 1.15x)
-}
-COLUMNS = {"baseline": "original", "reference": "reference", "fused": "fused"}  # column -> variant
-TRAIN_MEASURES = ("train step vs full", "train step vs LoRA", "train memory vs full", "train memory vs LoRA")
-
-
-@dataclass
-class Row:
-    model: str
-    measure: str
-    cells: dict = field(default_factory=dict)  # "baseline", "reference", "fused" -> float or a note
-
-    def ratio(self, column: str):
-        base, value = self.cells.get("baseline"), self.cells.get(column)
-        if isinstance(base, float) and isinstance(value, float) and base > 0:
-            return value / base
-        return None
-
-
-class Table:
-    """The rows in display order, filled in as cells finish (in whatever order they run)."""
-
-    def __init__(self):
-        self.rows: dict[tuple[str, str], Row] = {}
-        self.notes: list[str] = []
-        self.lock = threading.Lock()
-
-    def declare(self, model: str) -> None:
-        for measure in MEASURES:
-            self.rows[model, measure] = Row(model, measure)
-
-    def set(self, model: str, measure: str, column: str, value) -> None:
-        with self.lock:
-            self.rows[model, measure].cells[column] = value
-
-    def note(self, text: str) -> str:
-        """A footnote's mark for a cell that holds no number."""
-        with self.lock:
-            if text not in self.notes:
-                self.notes.append(text)
-            return f"[{self.notes.index(text) + 1}]"
-
-    def cell(self, value, width: int) -> str:
-        if isinstance(value, float):
-            if abs(value) >= 100:
-                text = f"{value:.1f}"
-            elif abs(value) >= 0.01 or value == 0:
-                text = f"{value:.3f}"
-            else:
-                text = f"{value:.2e}"
-        elif value is None:
-            text = "n/a" + self.note("not reached")
-        else:
-            text = ("error" if str(value).startswith("error") else "n/a") + self.note(str(value))
-        return f"{text:>{width}s}"
-
-    def render(self) -> str:
-        head = (
-            f"{'model':22s} {'measure':21s} {'unit':5s} {'vs':>11s} {'baseline':>10s} {'reference':>10s}"
-            f" {'ratio':>6s} {'fused':>10s} {'ratio':>6s} {'target':>7s} {'met':>17s}"
-        )
-        lines = [head, "-" * len(head)]
-        for row in list(self.rows.values()):
-            unit, base_label, target = MEASURES[row.measure]
-            ratios = {c: row.ratio(c) for c in ("reference", "fused")}
-            if row.measure == "max |dlogits|":
-                ref_cell = f"{'-':>10s}"
-            else:
-                ref_cell = self.cell(row.cells.get("reference"), 10)
-            met = []
-            if target:
-                op, bound = target
-                for column, short in (("reference", "ref"), ("fused", "fused")):
-                    r = ratios[column]
-                    if r is not None:
-                        ok = r >= bound if op == ">=" else r <= bound
-                        met.append(f"{short} {'yes' if ok else 'NO'}")
-            lines.append(
-                f"{LABELS.get(row.model, row.model):22s} {row.measure:21s} {unit:5s} {base_label:>11s}"
-                f" {self.cell(row.cells.get('baseline'), 10)} {ref_cell} {_ratio(ratios['reference'])}"
-                f" {self.cell(row.cells.get('fused'), 10)} {_ratio(ratios['fused'])}"
-                f" {(target[0] + str(target[1])) if target else '-':>7s} {', '.join(met) or '-':>17s}"
-            )
-        lines += [f"  [{i}] {text}" for i, text in enumerate(self.notes, 1)]
-        return "\n".join(lines)
-
-    def to_json(self) -> list[dict]:
-        out = []
-        for row in self.rows.values():
-            cells = {k: v for k, v in row.cells.items()}
-            out.append(
-                dict(
-                    model=row.model,
-                    measure=row.measure,
-                    unit=MEASURES[row.measure][0],
-                    baseline_label=MEASURES[row.measure][1],
-                    **{c: cells.get(c) for c in ("baseline", "reference", "fused")},
-                    reference_ratio=row.ratio("reference"),
-                    fused_ratio=row.ratio("fused"),
-                    target=MEASURES[row.measure][2],
-                )
-            )
-        return out
-
-
-def _ratio(r) -> str:
-    text = "-" if r is None else f"{r:.3f}" if r == 0 or abs(r) >= 0.001 else f"{r:.0e}"
-    return f"{text:>6s}"
-
-
-def first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"error: {type(err).__name__}: {lines[0] if lines else ''}"[:200]
-
-
-class CellTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise CellTimeout in the main thread after ``seconds`` (between Python bytecodes: a compile or a
-    Python loop is interrupted; one CUDA call that never returns is left to the deadline's watchdog)."""
-    if seconds is None or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise CellTimeout(f"timed out after {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -294,211 +122,7 @@ def make_fused(converted, device: str, force: bool):
     return model if switched else "deltafy.fused.enable switched no site"
 
 
-# -- timing --------------------------------------------------------------------------------------
-class Bench:
-    def __init__(self, args, shapes: Shapes, table: Table):
-        self.args, self.shapes, self.table = args, shapes, table
-        self.device = args.device
-        self.cuda = self.device == "cuda"
-        self.start = time.monotonic()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def run(self, model: str, measures, fn, compiled: bool = False) -> None:
-        """Run one cell group: ``fn()`` returns {measure: {column: value}} for ``measures`` (one or a
-        list); a failure or timeout marks every column of them with the error and the run goes on."""
-        measures = [measures] if isinstance(measures, str) else list(measures)
-        columns = ("baseline", "reference", "fused")
-
-        def mark(text: str) -> None:
-            for measure in measures:
-                for column in columns:
-                    if self.table.rows[model, measure].cells.get(column) is None:
-                        self.table.set(model, measure, column, text)
-
-        if any(word in measure for word in self.args.skip for measure in measures):
-            return mark("skipped (--skip)")
-        if self.args.only and not any(word in measure for word in self.args.only for measure in measures):
-            return mark("not run (--only)")
-        if compiled and not self.args.compile:
-            return mark("compiled rows off" + (" on CPU (--compile runs them)" if not self.cuda else " (--no-compile)"))
-        if compiled and self.elapsed() > self.args.budget:
-            return mark(f"time budget: would start after {self.args.budget:g} s (--budget)")
-        print(
-            f"[{self.elapsed():6.1f} s] {LABELS.get(model, model)}: {', '.join(measures)}", file=sys.stderr, flush=True
-        )
-        try:
-            with time_limit(max(self.args.deadline - self.elapsed() - 15, 5.0)):
-                values = fn()
-        except Exception as err:  # OOM, compile errors, a timeout: the cells say so
-            values = {}
-            mark(first_line(err))
-            if self.cuda:
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        finally:
-            if compiled:
-                with contextlib.suppress(Exception):
-                    torch._dynamo.reset()
-        for measure, cells in values.items():
-            for column, value in cells.items():
-                self.table.set(model, measure, column, value)
-
-    # prefill -----------------------------------------------------------------------------------
-    def prefill(self, calls: dict, vocab: int) -> dict:
-        b, t = self.shapes.prefill
-        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0)).to(self.device)
-        times = {name: [] for name in calls}
-        dropped: dict[str, str] = {}
-        with torch.inference_mode():
-            for r in range(self.shapes.rounds + 1):
-                for name in rotate([n for n in calls if n not in dropped], r):
-                    graphs = compiled_graphs()
-                    self.sync()
-                    start = time.perf_counter()
-                    calls[name](input_ids=ids, use_cache=False)
-                    self.sync()
-                    if r:  # round 0 warms up (and compiles)
-                        times[name].append(time.perf_counter() - start)
-                        if compiled_graphs() > graphs:
-                            dropped[name] = RECOMPILES
-        return speeds(times, ids.numel(), dropped)
-
-    # decode ------------------------------------------------------------------------------------
-    def decode(self, models: dict, batch: int, compiled: bool) -> dict:
-        """Tokens/s of greedy decode, the variants in lockstep one token at a time."""
-        from transformers import DynamicCache, StaticCache
-
-        s = self.shapes
-        vocab = next(iter(models.values())).get_input_embeddings().num_embeddings
-        prompt = torch.randint(0, vocab, (batch, s.prompt), generator=torch.Generator().manual_seed(1))
-        prompt = prompt.to(self.device)
-        steps, caches = {}, {}
-        for name, model in models.items():
-            if compiled:
-                # one cache per variant for the whole run, reset between rounds: CUDA graphs keep its address
-                caches[name] = StaticCache(config=model.config, max_cache_len=s.prompt + s.new_tokens + 1)
-                steps[name] = torch.compile(model, mode="reduce-overhead", dynamic=False)
-            else:
-                steps[name] = model
-        times = {name: [] for name in models}
-        dropped: dict[str, str] = {}  # a variant that recompiles step after step stops being timed
-        with torch.inference_mode():
-            for r in range(s.rounds + 1):
-                kw, tokens = {}, {}
-                live = [n for n in models if n not in dropped]
-                for name in live:
-                    model = models[name]
-                    if compiled:
-                        caches[name].reset()
-                        cache = caches[name]
-                    else:
-                        cache = DynamicCache(config=model.config)
-                    kw[name] = {cache_kwarg(model): cache, "use_cache": True}
-                    # the prompt runs eagerly (a compiled prefill would be one more graph per length)
-                    tokens[name] = model(input_ids=prompt, **kw[name]).logits[:, -1:].argmax(-1)
-                for i in range(s.new_tokens):
-                    for name in rotate([n for n in live if n not in dropped], i):
-                        graphs = compiled_graphs()
-                        if compiled:
-                            torch.compiler.cudagraph_mark_step_begin()
-                        self.sync()
-                        start = time.perf_counter()
-                        logits = steps[name](input_ids=tokens[name], **kw[name]).logits
-                        tokens[name] = logits[:, -1:].argmax(-1)
-                        self.sync()
-                        if r:
-                            times[name].append(time.perf_counter() - start)
-                        # the first steps may compile (and record CUDA graphs); later ones must not
-                        if (r or i >= 3) and compiled_graphs() > graphs:
-                            dropped[name] = RECOMPILES
-        return speeds(times, batch, dropped)
-
-    # training ----------------------------------------------------------------------------------
-    def train(self, arms: dict) -> dict:
-        """Median seconds per optimizer step and peak memory (bytes) per arm; ``arms`` maps a name to
-        (model, optimizer). The arms alternate step by step."""
-        b, t = self.shapes.train
-        vocab = next(iter(arms.values()))[0].get_input_embeddings().num_embeddings
-        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(2)).to(self.device)
-        times = {name: [] for name in arms}
-        peaks = {name: 0 for name in arms}
-        failed: dict[str, str] = {}  # an arm that fails (the fused kernel's backward, an OOM) drops out alone
-        for r in range(self.shapes.train_warmup + self.shapes.train_steps):
-            for name in rotate([n for n in arms if n not in failed], r):
-                model, opt = arms[name]
-                self.sync()
-                if self.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                start = time.perf_counter()
-                try:
-                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                    opt.step()
-                    self.sync()
-                except CellTimeout:
-                    raise
-                except Exception as err:
-                    failed[name] = first_line(err)
-                    if self.cuda:
-                        torch.cuda.empty_cache()
-                    continue
-                finally:
-                    opt.zero_grad(set_to_none=True)
-                elapsed = time.perf_counter() - start
-                if r >= self.shapes.train_warmup:
-                    times[name].append(elapsed)
-                    if self.cuda:
-                        own = resident_bytes(model, opt)
-                        peaks[name] = max(peaks[name], own + torch.cuda.max_memory_allocated() - before)
-        results = {name: (failed[name],) * 2 for name in failed}
-        for name, ts in times.items():
-            if name not in failed:
-                results[name] = (statistics.median(ts), peaks[name] if self.cuda else "CPU: no allocator statistics")
-        return results
-
-
-def compiled_graphs() -> int:
-    """How many graphs torch.compile has compiled so far (a count that grows while timing means the
-    timed calls recompiled: their time would be the compiler's)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def speeds(times: dict, tokens_per_call: int, dropped: dict) -> dict:
-    """Tokens/s per variant, or the note that says why it was not timed to the end."""
-    return {name: dropped.get(name) or tokens_per_call * len(ts) / sum(ts) for name, ts in times.items()}
-
-
-RECOMPILES = "torch.compile recompiled while timed: its time would be the compiler's (TORCH_LOGS=recompiles says why)"
-
-
-def rotate(names: list, r: int) -> list:
-    """Round ``r``'s order: each variant goes first in turn."""
-    k = r % len(names)
-    return names[k:] + names[:k]
-
-
-def resident_bytes(model, opt) -> int:
-    """What an arm keeps between steps: its weights, buffers and optimizer state (grads are set to None)."""
-    seen, total = set(), 0
-    tensors = [*model.parameters(), *model.buffers()]
-    for state in opt.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for tensor in tensors:
-        if tensor.device.type == "cuda" and tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
+# -- the training arms ---------------------------------------------------------------------------
 def heads_only(model):
     for p in model.parameters():
         p.requires_grad_(False)
@@ -735,17 +359,7 @@ def main() -> None:
     print(table.render(), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_finite_json(table.to_json()), f, indent=1)
-
-
-def _finite_json(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_json(v) for v in value]
-    return value
+            json.dump(finite_json(table.to_json()), f, indent=1)
 
 
 if __name__ == "__main__":
