@@ -139,7 +139,12 @@ def _heads_kept(model_dir: Path, chosen) -> str:
     except DeltafyError:
         return ""
     mine = chosen.model_dump(mode="json", exclude={"name", "description", "training"})
-    show = lambda value: "none" if value is None else value  # noqa: E731  (YAML's null, as a reader says it)
+
+    def show(value) -> str:  # as a reader of the recipe's YAML says it
+        if isinstance(value, list):
+            return "[" + ", ".join(map(str, value)) + "]"
+        return "none" if value is None else str(value)
+
     return ", ".join(
         f"{key} {show(converted[key])}" for key in mine if key in converted and converted[key] != mine[key]
     )
