@@ -13,7 +13,10 @@ One site of the ddl-scalar recipe (strength gate, sublayer direction, gates open
 called --calls times in a row with no autograd; "issue" is the host's time per call until the last call
 returned, "total" until the device finished too (their difference is how far the GPU trailed). Yardsticks
 from the original model's own layer: a LlamaRMSNorm call (one module, a few kernels) and the residual
-add (one kernel). Rows alternate round by round; the median of --rounds rounds is printed.
+add (one kernel). Rows alternate round by round; the median of --rounds rounds is printed. A row ending in
+"cold" times the same call with the host's caches flushed before each one (64 MB of host memory written,
+--calls / 10 calls): inside a model a site runs after the rest of its layer has evicted the data (and code) its
+ops touch, and on CPU it costs about what its cold row says, two to three times its warm one.
 
 --decode also times batch-1 decoding (KV cache, a synchronize after each token) of a random Llama of
 this width (--layers, two sites a layer) and splits what the conversion adds per site and token: the
@@ -62,6 +65,21 @@ def timed(fn, calls: int, sync) -> tuple[float, float]:
     return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
 
 
+def timed_cold(fn, calls: int, sync, flush) -> tuple[float, float]:
+    """As timed, with the host's caches flushed before each call and only the calls timed: inside a model a site
+    runs after the rest of its layer has evicted what its ops touch, which a loop of calls keeps warm."""
+    issue = total = 0.0
+    for _ in range(calls):
+        flush()
+        sync()
+        start = time.perf_counter()
+        fn()
+        issued = time.perf_counter()
+        sync()
+        issue, total = issue + issued - start, total + time.perf_counter() - start
+    return issue / calls * 1e6, total / calls * 1e6
+
+
 def _returns_h(site, x, c, h):
     return h
 
@@ -79,6 +97,7 @@ def _launch_skipped():
         kernel._forward = launch
 
 
+COLD_BYTES = 64 * 2**20
 VARIANTS = ("original", "capture and write alone", "formula", "fused", "fused, no launch")
 
 
@@ -174,9 +193,13 @@ def main() -> None:
         rows["site, fused"] = lambda: fused(x, c, h)
     norm = LlamaRMSNorm(args.width).to(device=device, dtype=dtype)
     rows["RMSNorm (yardstick)"] = lambda: norm(x)
+    for name in list(rows):
+        rows[f"{name}, cold"] = rows[name]
     rows["residual add (yardstick)"] = lambda: x + h
     identity = nn.Identity()
     rows["empty module call"] = lambda: identity(x)
+    scratch = torch.empty(COLD_BYTES // 4)  # host memory: writing it evicts the host's caches
+    flush = lambda: scratch.fill_(1.0)  # noqa: E731
     results: dict[str, list] = {name: [] for name in rows}
     with torch.inference_mode():
         for fn in rows.values():  # warm-up: triton compiles its kernel on the first call
@@ -184,7 +207,10 @@ def main() -> None:
         for r in range(args.rounds):
             names = list(rows)
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                results[name].append(timed(rows[name], args.calls, sync))
+                if name.endswith(", cold"):
+                    results[name].append(timed_cold(rows[name], max(1, args.calls // 10), sync, flush))
+                else:
+                    results[name].append(timed(rows[name], args.calls, sync))
     gpu = f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
     print(f"torch {torch.__version__}{gpu}; {device} {str(dtype).removeprefix('torch.')}, shape (1, 1, {args.width})")
     print(f"{'call':26s} {'issue us':>9s} {'total us':>9s}")
