@@ -129,7 +129,7 @@ def train_command(
 
 
 def _heads_kept(model_dir: Path, chosen) -> str:
-    """The conversion settings (direction, gate, ...) of the checkpoint in which ``chosen`` differs from it, as
+    """The conversion settings (direction, gate, ...) of the checkpoint that ``chosen`` sets otherwise, as
     ``key value`` pairs ("" where none does, or where the folder is unreadable: the run says so itself)."""
     from ..checkpoint import read_config
     from ..errors import DeltafyError
@@ -138,7 +138,8 @@ def _heads_kept(model_dir: Path, chosen) -> str:
         converted = read_config(model_dir)["deltafy"].get("recipe", {})
     except DeltafyError:
         return ""
-    mine = chosen.model_dump(mode="json", exclude={"name", "description", "training"})
+    # only what the recipe says: a recipe of a training section alone would otherwise "differ" by its defaults
+    mine = chosen.model_dump(mode="json", include=chosen.model_fields_set - {"name", "description", "training"})
 
     def show(value) -> str:  # as a reader of the recipe's YAML says it
         if isinstance(value, list):

@@ -447,11 +447,15 @@ def test_train_says_a_recipe_does_not_change_the_heads(monkeypatch, tmp_path, ca
         lambda *a, **k: SimpleNamespace(loss_after=float("nan"), already_finished=False),
     )
     delta = deltafy.save(deltafy.convert(tiny_model("llama-tied")), tmp_path / "delta")  # ddl-scalar
+    (tmp_path / "short.yaml").write_text("name: short\ntraining:\n  steps: 2\n")
+    (tmp_path / "attn.yaml").write_text("name: attn\nsites: [attn]\n")
     for recipe, note in [
         ("ddl-learned", "this checkpoint keeps the heads it was converted with (direction sublayer, rank none); "
          "convert with --recipe ddl-learned for its heads"),
         ("ddl-scalar-logit", "(gate strength, gate_bias 0.0)"),
         ("ddl-scalar", None),
+        (str(tmp_path / "short.yaml"), None),  # a training section alone: the conversion keys it leaves out differ
+        (str(tmp_path / "attn.yaml"), "(sites [attn, mlp])"),
     ]:  # fmt: skip
         main(["train", str(delta), "--data", "a.txt", "--out", str(tmp_path / "o"), "--recipe", recipe])
         err = capsys.readouterr().err
