@@ -31,9 +31,39 @@ app = typer.Typer(
 )
 
 
+def versions() -> str:
+    """deltafy's version and those of what it runs on, in one line: what a bug report needs."""
+    import importlib.metadata
+    import platform
+
+    from .. import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    libraries = ("torch", "transformers", "peft", "safetensors", "accelerate", "triton")
+    return " · ".join([f"deltafy {__version__}", f"Python {platform.python_version()}", *map(installed, libraries)])
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(versions(), highlight=False, markup=False)
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     debug: bool = typer.Option(False, "--debug", **described("Show full tracebacks on errors.", OFF)),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_show_version,
+        is_eager=True,
+        **described("Show the versions of deltafy, Python and the libraries it runs on, and exit.", OFF),
+    ),
 ) -> None:
     state.debug = debug
 
@@ -94,8 +124,8 @@ def run(args: list[str]) -> None:
             raise
         err_console.print(
             f"[bold red]internal error[/] (a bug in deltafy): {escape(first_line(err, with_type=True))}; please "
-            f"report it on the deltafy issue tracker with the command you ran and the output of rerunning it "
-            f"with --debug",
+            f"report it on the deltafy issue tracker with the command you ran, the output of rerunning it "
+            f"with --debug and that of deltafy --version",
             highlight=False,
             soft_wrap=True,
         )

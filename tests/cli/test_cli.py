@@ -354,6 +354,25 @@ def test_debug_shows_the_error_a_message_was_raised_from(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 
 
+def test_version_names_deltafy_and_what_it_runs_on(capsys):
+    """`deltafy --version`, as a bug report quotes it: one line, before any command runs (is_eager), exit 0."""
+    from deltafy.cli import main
+
+    for argv in (["--version"], ["--version", "convert"], ["--debug", "--version"]):
+        try:
+            main(argv)
+        except SystemExit as exit_info:
+            assert exit_info.code in (0, None), argv
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1, out
+        parts = out.strip().split(" · ")
+        assert parts[0] == f"deltafy {importlib.metadata.version('deltafy')}" == f"deltafy {deltafy.__version__}"
+        assert parts[1].startswith("Python 3.")
+        assert f"torch {torch.__version__}" in parts
+        assert f"transformers {importlib.metadata.version('transformers')}" in parts
+        assert any(part.startswith("triton ") for part in parts)  # its version, or "not installed"
+
+
 def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
     import deltafy.cli.recipes as recipes_cli
     from deltafy.cli import main
@@ -372,6 +391,7 @@ def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
     line = lines[0]
     assert line.startswith("internal error (a bug in deltafy): RuntimeError: injected bug in [attn, mlp];"), line
     assert "please report it" in line and "issue tracker" in line and "--debug" in line, line
+    assert "deltafy --version" in line, line  # what the report needs to be reproduced
     assert not line.startswith("error:")  # not passed off as the user's mistake
     with pytest.raises(RuntimeError, match="injected bug"):  # --debug: the exception itself, traceback and all
         main(["--debug", "recipes"])
