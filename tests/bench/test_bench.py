@@ -467,6 +467,25 @@ def test_cli_bench_prints_the_table_and_measures_each_run_in_its_own_process(tin
     assert "bench: converting" in proc.stderr
 
 
+def test_a_run_in_its_own_process_reports_its_own_peak_not_the_launching_processs():
+    """A bench on CPU trains each run in a child and reports that child's peak RSS. Linux's getrusage
+    carries the launching process's peak into the child through fork and exec: a child of a process
+    that once held 1.5 GiB would report at least 1.5 GiB, whatever it used itself."""
+    held = bytearray(b"\x01") * (3 << 29)  # 1.5 GiB, every page written: the launcher's peak
+    child = (
+        "from deltafy.bench.child import peak_rss_bytes\n"
+        "before = peak_rss_bytes()\n"
+        "grown = bytearray(b'\\x01') * (256 << 20)\n"
+        "print(before, peak_rss_bytes())"
+    )
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=subprocess_env())
+    del held
+    assert proc.returncode == 0, proc.stderr
+    before, after = map(int, proc.stdout.split())
+    assert 10 * 2**20 < before < 2**30, before  # the child's imports, not the launcher's 1.5 GiB
+    assert after - before >= 256 * 2**20, (before, after)  # and what the child itself wrote
+
+
 @pytest.mark.parametrize(
     "args, needles",
     [(["--arms", "heads,bogus"], ["unknown arm 'bogus'", "lora-large"]), (["--seeds", "0"], ["--seeds"])],

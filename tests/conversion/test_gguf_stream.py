@@ -24,29 +24,31 @@ from deltafy.sources.provenance import sha256_file
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = pytest.mark.slow
 
-# Each child reports its peak RSS (ru_maxrss, KiB on Linux) after its imports and at the end.
+# Each child reports its peak RSS in bytes after its imports and at the end: its own, not the one getrusage
+# would report, which starts from this test process's peak (deltafy.bench.child.peak_rss_bytes).
 REFERENCE = r"""
-import json, resource, sys
+import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from deltafy.bench.child import peak_rss_bytes
 from deltafy.sources.gguf import clear_quantizer
 gguf, out = Path(sys.argv[1]), sys.argv[2]
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_rss_bytes()
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
 clear_quantizer(model)
 model.save_pretrained(out)
 AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"base": base, "peak": peak_rss_bytes()}))
 """
 
 # deltafy's own GGUF load into a private DELTAFY_CACHE, stopped once the cache is complete (the
 # reload from it is not what is measured), with GgufPlan.write wrapped to read the RSS around it.
 STREAMED = r"""
-import json, resource, sys
+import json, sys
 import deltafy.sources.gguf, deltafy.sources.load
+from deltafy.bench.child import peak_rss_bytes as rss
 from deltafy.sources.shards import read_header
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 report = {"base": rss()}
 write = deltafy.sources.gguf.GgufPlan.write
 def measured(plan, folder, *args):
@@ -134,7 +136,7 @@ def test_streamed_config_matches_transformers(both):
 
 def test_streamed_copy_needs_a_fraction_of_the_memory(both):
     _, _, reference, streamed = both
-    mib = 1024  # ru_maxrss is in KiB
+    mib = 2**20
     print(
         f"peak RSS: transformers {reference['peak'] / mib:.0f} MiB (after imports {reference['base'] / mib:.0f}); "
         f"streamed {streamed['peak'] / mib:.0f} MiB (after imports {streamed['base'] / mib:.0f}, after the plan "
@@ -144,8 +146,8 @@ def test_streamed_copy_needs_a_fraction_of_the_memory(both):
     # Writing adds at most a few copies of the largest tensor, never the model, and ends below
     # transformers' whole-model dequantization (whose own baseline varies with what it parsed first,
     # so only the peaks are compared).
-    assert (streamed["written"] - streamed["planned"]) * 1024 <= 3 * streamed["largest"]
-    assert (streamed["peak"] - streamed["base"]) * 1024 < streamed["nbytes"]
+    assert streamed["written"] - streamed["planned"] <= 3 * streamed["largest"]
+    assert streamed["peak"] - streamed["base"] < streamed["nbytes"]
     assert streamed["peak"] < reference["peak"]
 
 
