@@ -26,6 +26,7 @@ import importlib.metadata
 import math
 import re
 import threading
+import weakref
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -302,8 +303,18 @@ class _SiteCall:
     traces plain code, and a module without hooks keeps torch's fast call path."""
 
     def __init__(self, module: nn.Module):
-        self.module, self.inner = module, module.__dict__.get("forward")
+        # the module holds this call (its forward): a strong reference back would make a cycle, which only the
+        # garbage collector breaks, and a dropped model's weights would stay in (GPU) memory until it ran
+        self._module, self.inner = weakref.ref(module), module.__dict__.get("forward")
         self.captures, self.writes, self.enabled = [], [], True  # the sites whose stream, and whose write, it is
+
+    module = property(lambda self: self._module())
+
+    def __getstate__(self) -> dict:  # pickle and deepcopy: the module itself, whose copy the copy calls
+        return {**self.__dict__, "_module": self.module}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _module=weakref.ref(state["_module"]))
 
     def _forward(self, *args, **kwargs):
         if self.inner is None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import io
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -331,6 +333,27 @@ def test_pickled_model_round_trips(llama):
     with deltafy.disabled(restored):  # the restored patches call the restored heads
         assert (_logits(restored, ids) - _logits(llama, ids)).abs().max() > 1e-2
     assert "deltafy: write of attn" in repr(restored)
+
+
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-expanded"])
+def test_a_dropped_model_is_freed_without_the_garbage_collector(recipe):
+    """A module holds its site call as its forward, so the call holds the module weakly: both ways strong,
+    a dropped model's modules were a cycle that stayed in memory (the GPU's too) until the garbage
+    collector ran. A deep copy's (or a pickled model's) calls hold the copy's modules."""
+    model = convert(tiny_model("llama-tied"), recipe)
+    open_gates(model)
+    ids = _ids(4, (2, 8))
+    copied = copy.deepcopy(model)
+    assert torch.equal(_logits(copied, ids), _logits(model, ids))
+    calls = {name: m.forward for name, m in copied.named_modules() if hasattr(m.__dict__.get("forward"), "captures")}
+    assert len(calls) >= 2 * 4 and all(call.module is copied.get_submodule(name) for name, call in calls.items())
+    weights = [weakref.ref(p) for p in model.parameters()]
+    gc.disable()
+    try:
+        del model
+        assert [w for w in weights if w() is not None] == []
+    finally:
+        gc.enable()
 
 
 def test_mean_betas_reads_the_gates():
