@@ -420,13 +420,15 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
         raise DeltafyError("this model is not converted")
     model.__dict__.pop("_deltafy_writes", None)
     for call in calls:
-        call.module.__dict__.pop("extra_repr", None)
-        if call.module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: a pass-through now
+        if (module := call.module) is None:  # replaced since, and freed
+            continue
+        module.__dict__.pop("extra_repr", None)
+        if module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: a pass-through now
             call.__class__, call.captures, call.writes = _SiteCall, [], []
         elif call.inner is None:
-            del call.module.forward
+            del module.forward
         else:
-            call.module.forward = call.inner
+            module.forward = call.inner
     for module in model.modules():
         if isinstance(getattr(module, "delta", None), nn.ModuleDict):
             del module.delta

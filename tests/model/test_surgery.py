@@ -354,6 +354,10 @@ def test_a_dropped_model_is_freed_without_the_garbage_collector(recipe):
         assert [w for w in weights if w() is not None] == []
     finally:
         gc.enable()
+    replaced = convert(tiny_model("llama-tied"), recipe)
+    replaced.model.layers[0].mlp = type(replaced.model.layers[0].mlp)(replaced.config)  # the hooked one is freed
+    deltafy.unconvert(replaced)  # undoes the rest
+    assert "deltafy" not in repr(replaced) and not any(m.__dict__.get("forward") for m in replaced.modules())
 
 
 def test_mean_betas_reads_the_gates():
