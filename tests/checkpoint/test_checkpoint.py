@@ -363,9 +363,9 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
     assert len(generated.strip().splitlines()) <= 5, "the generated tail is a few lines of binding"
     # The checkpoint carries one Python file, importing torch, transformers (and safetensors and
     # hashlib, to read and check a heads-only checkpoint's files; importlib.metadata, to find a
-    # bundled base in its package; math and re, to check the config's numbers and hashes) and the
-    # standard library's plain modules: no native code, no compiler, no subprocess, no ctypes,
-    # nothing written to disk.
+    # bundled base in its package; math and re, to check the config's numbers and hashes; weakref, for
+    # a site's call to hold its module) and the standard library's plain modules: no native code, no
+    # compiler, no subprocess, no ctypes, nothing written to disk.
     assert sorted(p.name for p in out.glob("*.py")) == [MODELING_FILE]
     imported = set()
     for node in ast.walk(ast.parse(text)):
@@ -383,6 +383,7 @@ def test_modeling_file_is_core_verbatim_and_imports_only_torch_and_transformers(
         "functools",
         "threading",
         "dataclasses",
+        "weakref",
     }
     assert imported <= allowed | {"hashlib", "pathlib", "importlib", "math", "re"}, imported
     for word in ("ctypes", "subprocess", "cffi", "load_inline", "numpy", "os", "CDLL", "cpp_extension", "save_file"):
