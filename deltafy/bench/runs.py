@@ -4,6 +4,7 @@ earlier run's heap)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def train(model_dir, data, out, options, eval_data) -> dict:
     from ..training.job import run_training
 
     cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda:  # an earlier run's leftovers in a reference cycle (accelerate's first Accelerator holds its model)
+        gc.collect()
         torch.cuda.reset_peak_memory_stats()
     result = run_training(
         str(model_dir),

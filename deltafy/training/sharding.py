@@ -115,8 +115,9 @@ def _leave_zero3() -> None:
 
 
 def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
-    """``trainer_class`` that builds deltafy's optimizer and schedule itself, with FSDP kept on
-    where accelerate would drop it, and DeepSpeed (an accelerate config) let through.
+    """A maker of ``trainer_class`` instances (it takes the Trainer's keywords) that build deltafy's
+    optimizer and schedule themselves, with FSDP kept on where accelerate would drop it, and DeepSpeed
+    (an accelerate config) let through.
 
     The Trainer refuses ready-made ``optimizers`` under FSDP (the optimizer must be built on the
     parameters it is about to shard), so ``make_optimizer()`` and ``make_scheduler(optimizer)``
@@ -155,16 +156,24 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
-                self.optimizer = make_optimizer()
+                self.optimizer = self._make_optimizer()
             return self.optimizer
 
         def create_scheduler(self, num_training_steps: int, optimizer=None):
             if self.lr_scheduler is None:
-                self.lr_scheduler = make_scheduler(optimizer or self.optimizer)
+                self.lr_scheduler = self._make_scheduler(optimizer or self.optimizer)
                 self._created_lr_scheduler = True
             return self.lr_scheduler
 
-    return ShardedTrainer
+    def make(**kwargs):
+        # the makers live on the instance, not in the class's closure: a class is always in a reference cycle, and
+        # the run they hold (its model and optimizer) would outlive it until the garbage collector ran
+        trainer = ShardedTrainer.__new__(ShardedTrainer)
+        trainer._make_optimizer, trainer._make_scheduler = make_optimizer, make_scheduler
+        trainer.__init__(**kwargs)
+        return trainer
+
+    return make
 
 
 def _skip_shared_memory_kernel() -> None:

@@ -7,6 +7,7 @@ steps of a 2-layer width-64 model, so each takes about a second on one CPU threa
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import math
 import shutil
@@ -237,6 +238,26 @@ def test_resume_continues_exactly(tiny, tmp_path):
         torch.testing.assert_close(tb[key], ta[key], atol=1e-5, rtol=0, msg=key)
     heads = [k for k in ta if is_head(k)]
     assert changed_keys({k: read_tensors(tiny.delta)[k] for k in heads}, {k: ta[k] for k in heads})
+
+
+def test_a_finished_run_leaves_its_model_to_reference_counting(tiny, tmp_path):
+    """A second run in one process (a bench's on a GPU, a sweep in a notebook) starts with the first one's
+    model gone, without waiting for the garbage collector: the trainer's class held the run (model and
+    optimizer) in its closure, and a class is always in a reference cycle."""
+
+    def converted_models() -> set[int]:  # (other tests' fixtures may hold some)
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.nn.Module) and hasattr(o, "_deltafy_calls")}
+
+    train(tiny, tmp_path / "first", steps=1)  # (the first run in a process leaves accelerate's state behind)
+    gc.collect()
+    gc.disable()
+    try:
+        before = converted_models()
+        train(tiny, tmp_path / "second", steps=1)
+        left = converted_models() - before
+    finally:
+        gc.enable()
+    assert left == set()
 
 
 def test_out_folder_guards(tiny, tmp_path):
