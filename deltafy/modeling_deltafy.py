@@ -318,7 +318,8 @@ class _SiteCall:
 
     def _forward(self, *args, **kwargs):
         if self.inner is None:
-            return type(self.module).forward(self.module, *args, **kwargs)
+            module = self.module  # (one dereference of the weak reference a call)
+            return type(module).forward(module, *args, **kwargs)
         return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
