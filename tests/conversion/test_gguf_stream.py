@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 
 # Each child reports its peak RSS in bytes after its imports and at the end: its own, not the one getrusage
 # would report, which starts from this test process's peak (deltafy.bench.child.peak_rss_bytes).
+# transformers imports its modeling code lazily, on the first load (about 190 MiB): each child imports
+# what loading this Llama needs before it reads its base, so the base is a process ready to load and
+# peak - base is what the load itself costs.
 REFERENCE = r"""
 import json, sys
 from pathlib import Path
@@ -33,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from deltafy.bench.child import peak_rss_bytes
 from deltafy.sources.gguf import clear_quantizer
+import gguf as _, transformers.modeling_utils, transformers.models.llama.modeling_llama
 gguf, out = Path(sys.argv[1]), sys.argv[2]
 base = peak_rss_bytes()
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -49,6 +53,7 @@ import json, sys
 import deltafy.sources.gguf, deltafy.sources.load
 from deltafy.bench.child import peak_rss_bytes as rss
 from deltafy.sources.shards import read_header
+import gguf, transformers.modeling_utils, transformers.models.llama.modeling_llama
 report = {"base": rss()}
 write = deltafy.sources.gguf.GgufPlan.write
 def measured(plan, folder, *args):
