@@ -1,6 +1,6 @@
 """Output folders: the guard on ``--out`` (never a folder the command reads, never the user's own
-files), written atomically (a temporary sibling renamed into place, leftovers of killed saves cleared
-by the next run), and the OS error behind a failed write."""
+files), written atomically (a temporary folder renamed into place, or filled into an existing one;
+leftovers of killed saves cleared by the next run), and the OS error behind a failed write."""
 
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ def refuse_non_folder(out: Path) -> None:
         raise DeltafyError(f"--out {out} exists and is not a folder; choose another --out")
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse early (before any heavy work) to write over something the user already has."""
+def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> None:
+    """Refuse early (before any heavy work) to write over something the user already has. ``merge``:
+    the output joins the files of ``out`` (a training run's own folder) instead of replacing them."""
     clear_leftovers(out)
     refuse_non_folder(out)
+    replaces = holds_files(out) and not merge
     if holds_files(out):
         if not overwrite:
             raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
@@ -54,16 +56,37 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
                 f"--overwrite replaces only a folder deltafy wrote, and {out} is not one (no deltafy config.json or "
                 f"run record); choose an empty or new --out"
             )
-    check_writable(out)
+    if replaces and (fixed := _fixed(out)):
+        raise DeltafyError(
+            f"--overwrite replaces {out} with a new folder, which cannot be done to {fixed}; empty it first (an "
+            f"empty folder is written into) or choose another --out"
+        )
+    check_writable(out, replaces)
 
 
-def check_writable(out: Path) -> None:
-    """Refuse an --out that cannot be written (a read-only disk, no permission) before any work: the
-    folder the output is renamed into place in, and an existing --out itself (a run writes into it)."""
+def _fixed(folder: Path) -> str | None:
+    """What keeps ``folder`` from being renamed away: a mount point cannot be, and the folder a command
+    runs in can, but the shell that started it would be left in the deleted one."""
+    if os.path.ismount(folder):
+        return "a mount point"
+    return "the folder this command runs in" if _same(_real(folder), _real(Path.cwd())) else None
+
+
+def _in_place(out: Path, merge: bool) -> bool:
+    """Whether a save fills the existing folder ``out`` (staged inside it) rather than renaming a new
+    one into its place: when it merges, and when ``out`` is empty (a folder made for the output, the
+    folder the command runs in, a container's mounted volume: none of them may change identity)."""
+    return out.is_dir() and (merge or not holds_files(out))
+
+
+def check_writable(out: Path, replaces: bool = False) -> None:
+    """Refuse an --out that cannot be written (a read-only disk, no permission) before any work: an
+    existing --out itself (the output is written into it), else the folder it is created in; and
+    that folder too where the output ``replaces`` an existing --out (it is renamed there)."""
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    for folder in (parent, out) if out.is_dir() else (parent,):
+    for folder in ((out, parent) if replaces else (out,)) if out.is_dir() else (parent,):
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".deltafy-probe-", dir=folder))
         except OSError as err:
@@ -115,6 +138,22 @@ def _sibling(out: Path, kind: str, pid: int) -> Path:
     return out.parent / f".{out.name}.deltafy-{kind}-{pid}"
 
 
+INSIDE = ".deltafy-partial-"  # the staging folder of a save into an existing folder, inside it
+
+
+def _leftovers(out: Path) -> list[tuple[Path, str, str]]:
+    """(path, kind, pid) of the folders that saves of ``out`` write before they publish: beside it, and
+    inside it."""
+    found = []
+    if out.parent.is_dir():
+        for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.deltafy-*-*")):
+            kind, _, pid = path.name.removeprefix(f".{out.name}.deltafy-").partition("-")
+            found.append((path, kind, pid))
+    if out.is_dir():
+        found += [(path, "partial", path.name.removeprefix(INSIDE)) for path in sorted(out.glob(f"{INSIDE}*"))]
+    return found
+
+
 def _running(pid: int) -> bool:
     if pid == os.getpid():
         return False  # ours, from before this save: nothing of this process is writing it now
@@ -135,10 +174,7 @@ def clear_leftovers(out: Path) -> None:
     in its ``-old-`` folder: that one is put back, not removed; and the user's own files that an
     overwrite had not yet moved back from it are put back into ``out``.
     """
-    if not out.parent.is_dir():
-        return
-    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.deltafy-*-*")):
-        kind, _, pid = path.name.removeprefix(f".{out.name}.deltafy-").partition("-")
+    for path, kind, pid in _leftovers(out):
         if kind not in ("partial", "old") or not pid.isdigit():
             continue
         if _running(int(pid)):
@@ -211,14 +247,16 @@ def size(nbytes: float) -> str:
 
 @contextmanager
 def atomic_dir(out: Path, overwrite: bool, merge: bool = False, need: int | None = None):
-    """Yield a temporary sibling folder; on success it replaces ``out`` (or, with ``merge``, its
-    files move into ``out``); on any failure it is removed. ``need``: about how many bytes the
-    output takes, for the message of a full disk."""
-    check_output_dir(out, overwrite)
-    tmp = _sibling(out, "partial", os.getpid())
+    """Yield a temporary folder; on success it becomes ``out``, on any failure it is removed. A new
+    ``out``, or one it replaces (--overwrite), is a sibling renamed into place; an existing folder
+    that is empty or that ``merge`` writes into is staged inside and filled, config.json last
+    (_in_place). ``need``: about how many bytes the output takes, for the message of a full disk."""
+    check_output_dir(out, overwrite, merge)
+    inside = _in_place(out, merge)
+    tmp = out / f"{INSIDE}{os.getpid()}" if inside else _sibling(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with interrupts.unwinding(), _replacing(tmp, out, merge, need):
+    with interrupts.unwinding(), _replacing(tmp, out, inside, need):
         yield tmp
 
 
@@ -244,12 +282,12 @@ def readable(folder: Path) -> None:
 
 
 @contextmanager
-def _replacing(tmp: Path, out: Path, merge: bool, need: int | None):
+def _replacing(tmp: Path, out: Path, inside: bool, need: int | None):
     try:
         yield tmp
         readable(tmp)
         with interrupts.deferred():  # the folder changes hands in one piece, whatever signal comes
-            if merge and out.is_dir():
+            if inside:
                 _move_into(tmp, out)
                 return
             old = None

@@ -94,6 +94,54 @@ def _index_outside(here: Path, paths: dict) -> None:
     index.write_text(json.dumps(record))
 
 
+def _empty_volume(here: Path, paths: dict) -> dict:
+    """An empty folder that is a filesystem of its own, in a folder that cannot be written: a volume
+    mounted into a container (``docker run -v``) whose root filesystem is read-only."""
+    (here / "root" / "vol").mkdir(parents=True)
+    _bind_read_only(here / "root")
+    _mount_tmpfs(here / "root" / "vol", "size=64m")
+    return {"identity": _identity(here / "root" / "vol")}
+
+
+def _output_volume(here: Path, paths: dict) -> None:
+    (here / "vol").mkdir()
+    _mount_tmpfs(here / "vol", "size=64m")
+    shutil.copytree(paths["delta"], here / "vol", dirs_exist_ok=True)
+
+
+def _empty_folder(here: Path, paths: dict) -> dict:
+    (here / "work").mkdir()
+    return {"identity": _identity(here / "work")}
+
+
+def _dead_partial_inside(here: Path, paths: dict) -> dict:
+    """What a convert into the existing folder ``o`` left when it was killed: its staging folder inside."""
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # its id is nobody's now (until the kernel reuses it)
+    partial = here / "o" / f".deltafy-partial-{exited.pid}"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"\0" * 100_000)
+    return {"identity": _identity(here / "o")}
+
+
+def _identity(folder: Path) -> str:
+    info = folder.stat()
+    return f"{info.st_dev}:{info.st_ino}"
+
+
+def _filled(folder: str):
+    """check: a converted model was written into ``folder`` itself, which is still the same folder."""
+
+    def check(paths: dict) -> None:
+        where = Path(folder.format(**paths))
+        assert _identity(where) == paths["identity"]
+        assert json.loads((where / "config.json").read_text())["model_type"] == "deltafy"
+        assert (where / "model.safetensors").is_file() or (where / "model.safetensors.index.json").is_file()
+        assert not [p.name for p in where.parent.iterdir() if ".deltafy-" in p.name]
+
+    return check
+
+
 def _gguf_cache(here: Path, paths: dict) -> None:
     (here / "cache" / "gguf" / "0123456789abcdef").mkdir(parents=True)
     (here / "cache" / "gguf" / "0123456789abcdef" / "config.json").write_text("{}")
@@ -110,6 +158,13 @@ def _full_disk(here: Path, paths: dict) -> None:
 
 
 MOUNTS: list[Path] = []
+
+
+def _bind_read_only(where: Path) -> None:
+    for args in (["--bind", str(where), str(where)], ["-o", "remount,bind,ro", str(where)]):
+        proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+        assert proc.returncode == 0, f"could not make {where} read-only: {proc.stderr}"
+    MOUNTS.append(where)
 
 
 def _mount_tmpfs(where: Path, options: str) -> None:
@@ -222,6 +277,58 @@ CASES = [
         "--out {here}/stock/run is inside the base model {here}/stock",
         untouched=("{here}/stock",),
         prepare=_heads_only_base,
+    ),
+    # -- an existing empty folder is written into, never replaced: a mounted volume, the folder one is in
+    Case(
+        "out-is-an-empty-mounted-volume",
+        ["convert", "{stock}", "--out", "{here}/root/vol"],
+        0,
+        "llama · sequential pre-norm",
+        prepare=_empty_volume,
+        check=_filled("{here}/root/vol"),
+    ),
+    Case(
+        "train-into-a-mounted-volume",  # its final save moves the model into --out: across filesystems, it failed
+        ["train", "{delta}", "--data", "{train}", "--out", "{here}/root/vol", "--steps", "1"],
+        0,
+        "held-out loss",
+        prepare=_empty_volume,
+        check=_filled("{here}/root/vol"),
+    ),
+    Case(
+        "out-is-the-empty-current-folder",
+        ["convert", "{stock}", "--out", "."],
+        0,
+        "llama · sequential pre-norm",
+        prepare=_empty_folder,
+        cwd="{here}/work",
+        check=_filled("{here}/work"),
+    ),
+    Case(
+        "overwrite-the-current-folder",
+        ["convert", "{stock}", "--out", ".", "--overwrite"],
+        1,
+        "--overwrite replaces . with a new folder, which cannot be done to the folder this command runs in; "
+        "empty it first",
+        untouched=("{here}/out",),
+        prepare=_copy("delta", "out"),
+        cwd="{here}/out",
+    ),
+    Case(
+        "overwrite-a-mounted-volume",
+        ["convert", "{stock}", "--out", "{here}/vol", "--overwrite"],
+        1,
+        "--overwrite replaces {here}/vol with a new folder, which cannot be done to a mount point",
+        untouched=("{here}/vol",),
+        prepare=_output_volume,
+    ),
+    Case(
+        "killed-convert-into-an-existing-folder",  # its staging folder inside is cleared, not taken for files
+        ["convert", "{stock}", "--out", "{here}/o"],
+        0,
+        "llama · sequential pre-norm",
+        prepare=_dead_partial_inside,
+        check=_filled("{here}/o"),
     ),
     # -- faults are named, up front where possible
     Case(

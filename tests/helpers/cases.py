@@ -33,7 +33,8 @@ class Case:
     is not 0, stdout's first line when it is. ``untouched`` paths (files or folders) hash the same
     before and after the command; ``absent`` paths do not exist afterwards. ``interrupt`` sends a
     signal once the command has run ``after`` seconds or once a path matching the glob ``after``
-    exists (relative to ``{here}``). ``notices`` are stderr lines allowed before an error."""
+    exists (relative to ``{here}``). ``notices`` are stderr lines allowed before an error. ``cwd``: the
+    folder the command runs in (the table's root by default)."""
 
     name: str
     argv: list[str]
@@ -47,6 +48,7 @@ class Case:
     interrupt: tuple[int, float | str] | None = None
     notices: tuple[str, ...] = ()
     check: Callable[[dict], None] | None = None
+    cwd: str | None = None
 
 
 def digest(path: Path) -> str:
@@ -85,6 +87,7 @@ def _run(
     case: Case, paths: dict, cwd: Path, env: dict, timeout: int
 ) -> tuple[subprocess.CompletedProcess, bool | None]:
     argv = [sys.executable, "-m", "deltafy", *[_fill(a, paths) for a in case.argv]]
+    cwd = Path(_fill(case.cwd, paths)) if case.cwd else cwd
     environment = subprocess_env({**env, **{k: _fill(v, paths) for k, v in case.env.items()}})
     if os.environ.get("DELTAFY_CASES_PYTHONPATH"):  # run a table against another copy of deltafy (an older one)
         environment["PYTHONPATH"] = os.environ["DELTAFY_CASES_PYTHONPATH"]
