@@ -398,6 +398,15 @@ CASES = [
         interrupt=(signal.SIGINT, ".out.deltafy-partial-*"),
     ),
     Case(
+        "sigterm-while-writing-into-an-empty-folder",
+        ["convert", "{large}", "--out", "{here}/o", "--in-memory"],
+        143,
+        f"{INTERRUPTED} SIGTERM; nothing was written to {{here}}/o",
+        untouched=("{here}/o",),  # still there, and still empty
+        prepare=lambda here, paths: (here / "o").mkdir(),
+        interrupt=(signal.SIGTERM, "o/.deltafy-partial-*"),
+    ),
+    Case(
         "ctrl-c-while-starting",  # before torch is even imported
         ["convert", "{stock}", "--out", "{here}/o"],
         130,
