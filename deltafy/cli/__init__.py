@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: errors become one line on stderr and a non-zero exit code; an interrupt
     (Ctrl-C, SIGTERM) unwinds what was being written and exits 130 / 143 with a line saying so."""
     interrupts.install()
+    if argv is None:
+        _replace_unencodable()
     args = sys.argv[1:] if argv is None else argv
     try:
         from ._console import state
@@ -34,6 +36,15 @@ def main(argv: list[str] | None = None) -> None:
         if interrupts.received is None:
             raise
         _interrupted(argv)
+
+
+def _replace_unencodable() -> None:
+    """Where stdout or stderr cannot encode every character (a latin-1 or ASCII locale,
+    PYTHONIOENCODING=ascii), write "?" for what it cannot: the output says "α·β" and "Δlogits", and a
+    strict stream would end the command with an encoding error at its first line."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
 
 
 def _interrupted(argv: list[str] | None) -> None:

@@ -135,11 +135,15 @@ def _filled(folder: str):
     def check(paths: dict) -> None:
         where = Path(folder.format(**paths))
         assert _identity(where) == paths["identity"]
-        assert json.loads((where / "config.json").read_text())["model_type"] == "deltafy"
+        _assert_converted(where)
         assert (where / "model.safetensors").is_file() or (where / "model.safetensors.index.json").is_file()
         assert not [p.name for p in where.parent.iterdir() if ".deltafy-" in p.name]
 
     return check
+
+
+def _assert_converted(folder: Path) -> None:
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "deltafy"
 
 
 def _gguf_cache(here: Path, paths: dict) -> None:
@@ -329,6 +333,16 @@ CASES = [
         "llama · sequential pre-norm",
         prepare=_dead_partial_inside,
         check=_filled("{here}/o"),
+    ),
+    # -- output that cannot show "·", "α·β" or "Δ" gets "?" in their place, not an encoding error (stderr
+    # already escapes what it cannot show)
+    Case(
+        "ascii-only-output",
+        ["convert", "{stock}", "--out", "{here}/o"],
+        0,
+        "llama ? sequential pre-norm ? 2 layers",
+        env={"PYTHONIOENCODING": "ascii"},
+        check=lambda paths: _assert_converted(Path(paths["here"]) / "o"),
     ),
     # -- faults are named, up front where possible
     Case(
