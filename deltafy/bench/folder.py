@@ -106,5 +106,8 @@ def clear(out: Path) -> None:
 def write(path: Path, state: dict) -> None:
     """Atomically: a kill mid-write leaves the previous state, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:  # (an interrupt mid-write: no temporary file stays beside it)
+        tmp.unlink(missing_ok=True)

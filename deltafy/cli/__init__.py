@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 def _replace_unencodable() -> None:
     """Where stdout or stderr cannot encode every character (a latin-1 or ASCII locale,
     PYTHONIOENCODING=ascii), write "?" for what it cannot: the output says "α·β" and "Δlogits", and a
-    strict stream would end the command with an encoding error at its first line."""
+    strict stream would end the command with an encoding error at the first of them."""
     for stream in (sys.stdout, sys.stderr):
         if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")

@@ -42,13 +42,14 @@ def refuse_non_folder(out: Path) -> None:
         raise DeltafyError(f"--out {out} exists and is not a folder; choose another --out")
 
 
-def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> None:
-    """Refuse early (before any heavy work) to write over something the user already has. ``merge``:
-    the output joins the files of ``out`` (a training run's own folder) instead of replacing them."""
+def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> bool:
+    """Refuse early (before any heavy work) to write over something the user already has, and say
+    whether the output replaces ``out`` (else it is new, or fills the existing folder). ``merge``: the
+    output joins the files of ``out`` (a training run's own folder) instead of replacing them."""
     clear_leftovers(out)
     refuse_non_folder(out)
-    replaces = holds_files(out) and not merge
-    if holds_files(out):
+    held = holds_files(out)
+    if held:
         if not overwrite:
             raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
         if not is_output(out):
@@ -56,12 +57,14 @@ def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> None:
                 f"--overwrite replaces only a folder deltafy wrote, and {out} is not one (no deltafy config.json or "
                 f"run record); choose an empty or new --out"
             )
+    replaces = held and not merge
     if replaces and (fixed := _fixed(out)):
         raise DeltafyError(
             f"--overwrite replaces {out} with a new folder, which cannot be done to {fixed}; empty it first (an "
             f"empty folder is written into) or choose another --out"
         )
     check_writable(out, replaces)
+    return replaces
 
 
 def _fixed(folder: Path) -> str | None:
@@ -70,13 +73,6 @@ def _fixed(folder: Path) -> str | None:
     if os.path.ismount(folder):
         return "a mount point"
     return "the folder this command runs in" if _same(_real(folder), _real(Path.cwd())) else None
-
-
-def _in_place(out: Path, merge: bool) -> bool:
-    """Whether a save fills the existing folder ``out`` (staged inside it) rather than renaming a new
-    one into its place: when it merges, and when ``out`` is empty (a folder made for the output, the
-    folder the command runs in, a container's mounted volume: none of them may change identity)."""
-    return out.is_dir() and (merge or not holds_files(out))
 
 
 def check_writable(out: Path, replaces: bool = False) -> None:
@@ -248,14 +244,13 @@ def size(nbytes: float) -> str:
 @contextmanager
 def atomic_dir(out: Path, overwrite: bool, merge: bool = False, need: int | None = None):
     """Yield a temporary folder; on success it becomes ``out``, on any failure it is removed. A new
-    ``out``, or one it replaces (--overwrite), is a sibling renamed into place; an existing folder
-    that is empty or that ``merge`` writes into is staged inside and filled, config.json last
-    (_in_place). ``need``: about how many bytes the output takes, for the message of a full disk."""
-    check_output_dir(out, overwrite, merge)
-    inside = _in_place(out, merge)
+    ``out``, or one it replaces (--overwrite), is a sibling renamed into place. An existing folder
+    that is empty, or that ``merge`` writes into, is staged inside and filled, config.json last: a
+    folder made for the output, the one the command runs in, a container's mounted volume keep their
+    identity (a mount point cannot be renamed, nor moved across into). ``need``: about how many bytes
+    the output takes, for the message of a full disk."""
+    inside = not check_output_dir(out, overwrite, merge) and out.is_dir()
     tmp = out / f"{INSIDE}{os.getpid()}" if inside else _sibling(out, "partial", os.getpid())
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     with interrupts.unwinding(), _replacing(tmp, out, inside, need):
         yield tmp
 
@@ -283,7 +278,9 @@ def readable(folder: Path) -> None:
 
 @contextmanager
 def _replacing(tmp: Path, out: Path, inside: bool, need: int | None):
-    try:
+    try:  # (from its creation on: an interrupt right after the mkdir must not leave it behind)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         yield tmp
         readable(tmp)
         with interrupts.deferred():  # the folder changes hands in one piece, whatever signal comes

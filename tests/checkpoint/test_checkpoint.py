@@ -512,6 +512,37 @@ def test_interrupted_save_leaves_nothing(tmp_path, small_converted):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "empty-out"])
+def test_an_interrupt_as_the_staging_folder_is_made_leaves_nothing(tmp_path, small_converted, monkeypatch, existing):
+    # A signal may land right after the staging folder's mkdir returns (the CLI's interrupt tests wait
+    # for that folder to appear, then signal): it must be removed like one interrupted later.
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()  # staged inside it
+    make = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        if ".deltafy-partial-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(KeyboardInterrupt):
+        deltafy.save(small_converted, out)
+    assert [p.name for p in tmp_path.rglob("*")] == (["out"] if existing else [])
+
+
+def test_saving_into_an_empty_folder_fills_it_in_place(tmp_path, small_converted):
+    out = tmp_path / "out"
+    out.mkdir()
+    identity = (out.stat().st_dev, out.stat().st_ino)
+    deltafy.save(small_converted, out)
+    assert (out.stat().st_dev, out.stat().st_ino) == identity  # (a mount point or the cwd stays what it is)
+    assert_state_equal(deltafy.load(out), small_converted)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    no_partial_left(out)
+
+
 def test_disk_full_during_save_is_a_clear_error(tmp_path, small_converted):
     out = tmp_path / "out"
     tok = FailingTokenizer(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
