@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -58,12 +59,20 @@ def is_converted(model: nn.Module) -> bool:
 
 
 def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
-    """Turn every residual write of ``model`` into a DDL write, in place, and return it.
+    """Turn every residual write of ``model`` (a loaded Hugging Face decoder) into a DDL write, in
+    place, and return it.
 
-    The model's outputs are unchanged up to the gate's initial beta (about 3e-8); the new heads
-    are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a YAML
-    path (default: the paper's scalar recipe). :func:`unconvert` undoes it.
+    The model's outputs are unchanged: bitwise where the recipe's strength α starts at 0 (every
+    bundled recipe but ddl-scalar-logit), up to the initial β (about 3e-8) with a logit gate; the new
+    heads are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a
+    YAML path (default: the paper's scalar recipe). :func:`unconvert` undoes it.
     """
+    if not (isinstance(model, nn.Module) and hasattr(model, "config")):
+        got = f"the {type(model).__name__} {model!r}" if isinstance(model, (str, Path)) else f"a {type(model).__name__}"
+        raise DeltafyError(
+            f"deltafy.convert takes a loaded Hugging Face model, e.g. AutoModelForCausalLM.from_pretrained(...), "
+            f"and got {got}"
+        )
     if is_converted(model):
         raise DeltafyError("this model is already a deltafy model; convert the original instead")
     recipe = load_recipe(recipe)

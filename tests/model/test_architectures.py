@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -511,6 +512,19 @@ def test_convert_rejects_encoder_model():
     )
     with pytest.raises(DeltafyError, match="'bert' is an encoder"):
         convert(AutoModel.from_config(config))
+
+
+@pytest.mark.parametrize("thing", ["gpt2", Path("models/gpt2"), torch.nn.Linear(4, 4)], ids=["name", "path", "module"])
+def test_convert_of_something_else_than_a_model_says_what_it_takes(thing):
+    # (a source name is what the command line converts; in Python the model is loaded first)
+    kind = type(thing).__name__
+    named = f"a {kind}" if isinstance(thing, torch.nn.Module) else f"the {kind} {thing!r}"
+    with pytest.raises(DeltafyError) as raised:
+        convert(thing)
+    assert str(raised.value) == (
+        "deltafy.convert takes a loaded Hugging Face model, e.g. AutoModelForCausalLM.from_pretrained(...), "
+        f"and got {named}"
+    )
 
 
 def test_convert_twice_raises():
