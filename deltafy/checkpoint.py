@@ -333,6 +333,10 @@ def load(
             usable_device(str(device))
         except ValueError as err:
             raise DeltafyError(f"device={str(device)!r}: {err}") from None
+    if isinstance(dtype, str) and dtype != "auto":
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise DeltafyError(f"dtype={dtype!r} is not a torch dtype; e.g. 'float32', 'bfloat16', 'float16' or 'auto'")
+        dtype = getattr(torch, dtype)
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
@@ -354,8 +358,6 @@ def load(
     )
     if base is not None:
         kwargs["deltafy_base"] = str(base)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
     folder = Path(path).expanduser()
     skeleton = None
     if "base" not in spec or kwargs.get("device_map") in AUTO:

@@ -111,6 +111,8 @@ class SiteSummary:
 
 def summarize(model: nn.Module) -> SiteSummary:
     sites = list(delta_sites(model))
+    if not sites:
+        raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
     added = sum(t.numel() for t in delta_tensors(model).values())
     total = sum(p.numel() for p in model.parameters())
     spec = model.config.deltafy

@@ -663,6 +663,14 @@ def test_load_refuses_a_device_it_cannot_run_on_before_loading(tmp_path, small_c
     assert next(deltafy.load(out, device=torch.device("cpu")).parameters()).device.type == "cpu"
 
 
+def test_load_refuses_a_dtype_name_torch_does_not_have(tmp_path, small_converted):
+    out = deltafy.save(small_converted, tmp_path / "out")
+    for name in ("float8", "Tensor"):  # (torch.Tensor is no dtype either)
+        with pytest.raises(deltafy.DeltafyError, match=rf"^dtype='{name}' is not a torch dtype; e.g. 'float32'"):
+            deltafy.load(out, dtype=name)
+    assert next(deltafy.load(out, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+
+
 def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path, small_converted):
     out = deltafy.save(small_converted, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())

@@ -527,6 +527,11 @@ def test_convert_of_something_else_than_a_model_says_what_it_takes(thing):
     )
 
 
+def test_summarize_of_a_model_not_converted_says_so():
+    with pytest.raises(DeltafyError, match=r"^this model is not converted; call deltafy.convert\(model\) first$"):
+        deltafy.summarize(tiny_model("llama-tied"))
+
+
 def test_convert_twice_raises():
     model = convert(tiny_model("llama-tied"))
     n_sites = len(list(delta_sites(model)))
