@@ -58,6 +58,11 @@ def is_converted(model: nn.Module) -> bool:
     return any(True for _ in delta_sites(model))
 
 
+def _require_converted(model: nn.Module) -> None:
+    if not is_converted(model):
+        raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
+
+
 def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
     """Turn every residual write of ``model`` (a loaded Hugging Face decoder) into a DDL write, in
     place, and return it.
@@ -110,9 +115,8 @@ class SiteSummary:
 
 
 def summarize(model: nn.Module) -> SiteSummary:
+    _require_converted(model)
     sites = list(delta_sites(model))
-    if not sites:
-        raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
     added = sum(t.numel() for t in delta_tensors(model).values())
     total = sum(p.numel() for p in model.parameters())
     spec = model.config.deltafy
@@ -160,6 +164,7 @@ def head_parameter_groups(model: nn.Module, recipe: Recipe | None = None) -> lis
     Adam moves each parameter by about its learning rate per step whatever the gradient's size,
     so the gate logit (initialized at -18) needs a larger step to open in a few dozen steps.
     """
+    _require_converted(model)
     if recipe is None:
         recipe = Recipe.model_validate(model.config.deltafy["recipe"])
     t = recipe.training

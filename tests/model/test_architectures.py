@@ -527,9 +527,10 @@ def test_convert_of_something_else_than_a_model_says_what_it_takes(thing):
     )
 
 
-def test_summarize_of_a_model_not_converted_says_so():
+@pytest.mark.parametrize("call", [deltafy.summarize, deltafy.head_parameter_groups], ids=lambda f: f.__name__)
+def test_a_model_not_converted_is_refused_saying_so(call):
     with pytest.raises(DeltafyError, match=r"^this model is not converted; call deltafy.convert\(model\) first$"):
-        deltafy.summarize(tiny_model("llama-tied"))
+        call(tiny_model("llama-tied"))
 
 
 def test_convert_twice_raises():
