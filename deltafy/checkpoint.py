@@ -334,9 +334,10 @@ def load(
         except ValueError as err:
             raise DeltafyError(f"device={str(device)!r}: {err}") from None
     if isinstance(dtype, str) and dtype != "auto":
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
             raise DeltafyError(f"dtype={dtype!r} is not a torch dtype; e.g. 'float32', 'bfloat16', 'float16' or 'auto'")
-        dtype = getattr(torch, dtype)
+        dtype = named
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_MAPPING

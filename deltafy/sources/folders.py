@@ -82,7 +82,7 @@ def check_writable(out: Path, replaces: bool = False) -> None:
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    for folder in ((out, parent) if replaces else (out,)) if out.is_dir() else (parent,):
+    for folder in (out, parent) if replaces else (out,) if out.is_dir() else (parent,):  # (replaces: out exists)
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".deltafy-probe-", dir=folder))
         except OSError as err:

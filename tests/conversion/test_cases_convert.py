@@ -54,7 +54,7 @@ def _notes_kept(paths: dict) -> None:
     out = Path(paths["here"]) / "out"
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "data" / "corpus.txt").read_text() == "my corpus"
-    assert json.loads((out / "config.json").read_text())["model_type"] == "deltafy"
+    _assert_converted(out)
 
 
 def _linked_source(here: Path, paths: dict) -> None:
