@@ -277,5 +277,8 @@ def split_held_out(blocks: torch.Tensor, fraction: float, seed: int) -> tuple[to
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
     n_eval = max(1, int(round(len(blocks) * fraction)))
     if n_eval >= len(blocks):
-        raise DeltafyError(f"only {len(blocks)} blocks of text: too few to hold out {fraction:.0%} for evaluation")
+        raise DeltafyError(
+            f"only {len(blocks)} block{'s' * (len(blocks) != 1)} of text: too few to hold out {fraction:.0%} for "
+            f"evaluation; pass more text or a shorter --seq-len"
+        )
     return blocks[order[n_eval:]], blocks[order[:n_eval]]

@@ -224,12 +224,25 @@ def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
     bundled = bundled_recipes()
     path = bundled.get(key, Path(key))
     if not path.is_file():
-        raise DeltafyError(f"no recipe named {key!r}; use one of {', '.join(bundled)} or a path to a YAML file")
+        names = f"use one of {', '.join(bundled)} or a path to a YAML file"
+        if path.is_dir():
+            raise DeltafyError(f"the recipe {key} is a folder; {names}")
+        if path.suffix in (".yaml", ".yml") or "/" in key:  # meant as a file
+            raise DeltafyError(f"the recipe file {key} does not exist; {names}")
+        raise DeltafyError(f"no recipe named {key!r}; {names}")
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise DeltafyError(f"could not read recipe {path}: {first_line(err)}") from err
+        raise DeltafyError(f"could not read recipe {path}: {_yaml_problem(err)}") from err
     return recipe_from_dict(data, origin=f"recipe {path}")
+
+
+def _yaml_problem(err: BaseException) -> str:
+    """What the YAML parser found wrong, and where (its own message starts with the context it was in)."""
+    mark = getattr(err, "problem_mark", None)
+    if not isinstance(err, yaml.MarkedYAMLError) or mark is None or not err.problem:
+        return first_line(err)
+    return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 # -- a conversion --------------------------------------------------------------------------------

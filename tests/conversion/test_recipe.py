@@ -235,20 +235,33 @@ def test_unknown_bundled_name_raises():
 def test_directory_is_not_a_recipe(tmp_path):
     with pytest.raises(DeltafyError) as excinfo:
         load_recipe(tmp_path)
-    _one_line_error(excinfo)
+    assert _one_line_error(excinfo).startswith(f"the recipe {tmp_path} is a folder; use one of ddl-")
 
 
 @pytest.mark.parametrize(
-    "body",
-    ["name: [unclosed\n", "name: x\n  direction: : learned\n\t- bad\n", "a: b: c\n"],
-    ids=["unclosed-list", "bad-indent", "nested-colon"],
+    ("body", "where"),
+    [
+        ("name: [unclosed\n", "line 2, column 1"),
+        ("name: x\n  direction: : learned\n\t- bad\n", "line 2, column 12"),
+        ("a: b: c\n", "line 1, column 5"),
+        ("name: x\ntraining:\n\tlr: 1\n", "line 3, column 1"),
+    ],
+    ids=["unclosed-list", "bad-indent", "nested-colon", "tab-indent"],
 )
-def test_invalid_yaml_raises_one_line_error(tmp_path, body):
+def test_invalid_yaml_raises_one_line_error_that_says_where(tmp_path, body, where):
     path = _write(tmp_path, body)
     with pytest.raises(DeltafyError) as excinfo:
         load_recipe(path)
     message = _one_line_error(excinfo)
-    assert message.startswith(f"could not read recipe {path}")
+    assert message.startswith(f"could not read recipe {path}: ") and message.endswith(f" at {where}"), message
+
+
+@pytest.mark.parametrize("given", ["missing.yaml", "./missing", "sub/missing.yml"])
+def test_a_recipe_file_that_is_not_there_is_named_as_a_file(tmp_path, monkeypatch, given):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DeltafyError) as excinfo:
+        load_recipe(given)
+    assert _one_line_error(excinfo).startswith(f"the recipe file {given} does not exist; use one of ddl-")
 
 
 def test_undecodable_file_raises(tmp_path):
