@@ -4,7 +4,6 @@ a run at a step it can resume from (the checkpoints themselves: deltafy.training
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 from ..errors import DeltafyError
 from ..files import ADAPTER_DIR, LOCK_FILE, METRICS_FILE, RECORD_FILE, STAGING_DIR
 from ..options import TrainOptions
+from ..sources.folders import in_use, try_lock
 
 # -- the --out folder --------------------------------------------------------------------------
 
@@ -90,14 +90,11 @@ class RunLock:
             raise DeltafyError(f"could not create --out {self.out}: {err.strerror or err}") from err
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            if not _try_lock(fd):
-                holder = _read_holder(self.path)
+            if not try_lock(fd):
+                message = in_use(self.out)
                 os.close(fd)
                 self._cleanup_out()
-                raise DeltafyError(
-                    f"{self.out} is in use by another deltafy run ({holder}); wait for it to finish or choose "
-                    f"another --out"
-                )
+                raise DeltafyError(message)
             # A run that finished unlinks the file; the lock we got may be on that unlinked inode.
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -133,34 +130,6 @@ class RunLock:
         kept = [p for p in self.out.rglob("*") if p.is_file() and p.name not in (LOCK_FILE, RECORD_FILE)]
         if not kept:
             shutil.rmtree(self.out, ignore_errors=True)
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        import msvcrt
-
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise DeltafyError(f"could not lock {fd}: {err.strerror}") from err
-    return True
-
-
-def _read_holder(path: Path) -> str:
-    try:
-        holder = json.loads(path.read_text())
-        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}: {holder['command']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it has not said which yet"
 
 
 # -- metrics.jsonl -------------------------------------------------------------------------------

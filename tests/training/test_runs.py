@@ -135,6 +135,30 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tiny, tmp_path
     assert not (out / LOCK_FILE).exists() and (out / "config.json").is_file()
 
 
+def test_a_folder_a_run_holds_is_not_replaced_by_another_command(tiny, finished, tmp_path):
+    """convert --overwrite (or deltafy.save) of a live run's --out would leave the run writing into a
+    deleted folder; refused before any work, and again as the output is swapped in."""
+    from deltafy.sources.folders import atomic_dir
+
+    out = copy_run(finished, tmp_path)
+    before = snapshot(out)
+    with RunLock(out):
+        proc = run_cli("convert", tiny.stock, "--out", out, "--overwrite", cwd=tmp_path)
+        assert_one_line_error(proc, f"{out} is in use by another deltafy run", f"pid {os.getpid()}")
+        model = deltafy.load(tiny.delta)
+        with pytest.raises(DeltafyError, match="in use by another deltafy run"):
+            deltafy.save(model, out, overwrite=True)
+    assert snapshot(out) == before
+    with pytest.raises(DeltafyError, match="in use by another deltafy run"):
+        with atomic_dir(out, overwrite=True) as tmp:  # the run starts while the output is being written
+            (tmp / "config.json").write_text("{}")
+            lock = RunLock(out).__enter__()
+    lock.__exit__(None, None, None)
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    deltafy.save(model, out, overwrite=True)  # no run holds it now
+    assert not (out / "training").exists() and deltafy.load(out) is not None
+
+
 def test_a_lock_of_a_killed_run_is_free(tiny, tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
