@@ -24,7 +24,7 @@ from .fused import enable_where_available
 from .options import Recipe
 from .placement import AUTO, auto_device_map, usable_device
 from .quiet import quiet_transformers
-from .sources.folders import atomic_dir
+from .sources.folders import atomic_dir, output_path
 from .sources.load import NO_REMOTE_CODE
 from .surgery import delta_tensors
 
@@ -89,7 +89,7 @@ def save(
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
-    out = Path(out).expanduser()
+    out = output_path(out)
     # A loaded checkpoint keeps where it came from when it is saved again.
     # public(): a checkpoint written before provenance kept names only still carries the local path
     # of its source; saving it again drops the path (the card, config and recipe never hold one).

@@ -64,9 +64,9 @@ def run_bench(
     from ..conversion.job import guard_source
     from ..data import expand
     from ..options import bench_options
-    from ..sources.folders import refuse_overlap
+    from ..sources.folders import output_path, refuse_overlap
 
-    out = Path(out).expanduser()
+    out = Path(out).expanduser()  # (the user's spelling, for the guards' messages; then where it leads)
     names = parse_arms(arms)
     options = bench_options(**settings)
     check(data, eval_data, resume, overwrite)
@@ -78,6 +78,7 @@ def run_bench(
     guard_source(source, out, heads_only=False)
     texts = [("the training data", Path(f)) for f in train_files] + [("the held-out data", Path(f)) for f in held_files]
     refuse_overlap(out, [(what, path) for what, path in texts if path.exists()])
+    out = output_path(out)
     recipes = recipes_for(names)
     options_for(recipes, options)
     settings = {

@@ -11,7 +11,7 @@ import torch
 from ..checkpoint import save
 from ..errors import DeltafyError
 from ..options import Recipe, convert_options, load_recipe
-from ..sources.folders import check_output_dir, refuse_overlap
+from ..sources.folders import check_output_dir, output_path, refuse_overlap
 from ..sources.load import (
     ALIASES,
     Source,
@@ -116,8 +116,8 @@ def convert_source(
     options = convert_options(**settings)
     dtype, verify, tolerance, device = options.dtype, options.verify, options.tolerance, options.device
     heads_only, streaming = options.heads_only, options.streaming
-    out = Path(out).expanduser()
-    guard_source(source, out, heads_only)
+    guard_source(source, out, heads_only)  # (in the user's spelling of --out)
+    out = output_path(out)
     check_output_dir(out, overwrite)
     recipe = load_recipe(recipe)
     folder, provenance = Path(source).expanduser(), None

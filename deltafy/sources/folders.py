@@ -24,6 +24,23 @@ from ..files import HEADS_FILE, LOCK_FILE, RECORD_FILE, STATE_DIR, owned
 log = logging.getLogger(__name__)
 
 
+def output_path(out: str | Path) -> Path:
+    """The folder an ``--out`` names: ``~`` expanded, and a symbolic link followed to where it points
+    (that folder is written into, made or replaced; the link stays as it is). Replacing the link
+    itself would leave the folder it points at as it was, and the link gone."""
+    out = Path(out).expanduser()
+    if not out.is_symlink():
+        return out
+    try:
+        return Path(os.path.realpath(out, strict=True))
+    except FileNotFoundError:  # a link to a folder yet to be made
+        return Path(os.path.realpath(out))
+    except OSError as err:
+        raise DeltafyError(
+            f"--out {out} is a symbolic link that cannot be followed ({err.strerror}); fix it or choose another --out"
+        ) from err
+
+
 def is_output(folder: Path) -> bool:
     """Whether ``folder`` is something deltafy wrote: a checkpoint (its config.json says deltafy), or
     a training run's --out (its run record), finished or not."""
@@ -264,6 +281,7 @@ def _os_errno(err: BaseException) -> int | None:
 # "[enforce fail at inline_container.cc:...] . unexpected pos ...", or "basic_ios::clear: iostream error".
 TORCH_WRITE_ERRORS = ("write", "iostream error", "inline_container", "unexpected pos")
 LOW_SPACE = 64 << 20  # free bytes below which a write that failed without a reason is put down to a full disk
+FULL_DISK = "ran out of disk space"  # how write_error's reason for a full disk starts
 
 
 def write_error(err: BaseException, where: Path, need: int | None = None) -> str | None:
@@ -278,7 +296,7 @@ def write_error(err: BaseException, where: Path, need: int | None = None) -> str
         return None
     if code in (errno.ENOSPC, errno.EDQUOT):
         needs = f"it needs about {size(need)}, " if need else ""
-        return f"ran out of disk space ({needs}{size(free_space(where))} free)"
+        return f"{FULL_DISK} ({needs}{size(free_space(where))} free)"
     return os.strerror(code) if not isinstance(err, OSError) else (err.strerror or os.strerror(code))
 
 
@@ -355,9 +373,8 @@ def _replacing(tmp: Path, out: Path, inside: bool, need: int | None):
         shutil.rmtree(tmp, ignore_errors=True)
         reason = write_error(err, out.parent, need)
         if reason is not None:
-            raise DeltafyError(
-                f"could not write {out}: {reason}; nothing was written: free space or choose another --out"
-            ) from err
+            remedy = "free space or choose another --out" if reason.startswith(FULL_DISK) else "choose another --out"
+            raise DeltafyError(f"could not write {out}: {reason}; nothing was written: {remedy}") from err
         raise
 
 

@@ -120,13 +120,14 @@ def publish(staged: Path, final: Path) -> None:
 
 def write_failure(err: BaseException, what: str, state_dir: Path, need: int | None = None) -> DeltafyError | None:
     """One line for a failed write (a full disk, a file-size limit), naming what is still usable."""
-    from ..sources.folders import write_error
+    from ..sources.folders import FULL_DISK, write_error
 
     reason = write_error(err, state_dir, need)
     if reason is None:
         return None
     usable, _ = newest_complete(state_dir)
-    keep = f"{usable} is still usable: free space and rerun with --resume" if usable else "no checkpoint was saved"
+    rerun = "free space and rerun with --resume" if reason.startswith(FULL_DISK) else "rerun with --resume"
+    keep = f"{usable} is still usable: {rerun}" if usable else "no checkpoint was saved"
     return DeltafyError(f"could not write {what}: {reason}; {keep}")
 
 

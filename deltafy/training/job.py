@@ -16,6 +16,7 @@ from .. import interrupts
 from ..errors import DeltafyError, Interrupted
 from ..files import CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import TrainOptions
+from ..sources.folders import output_path
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
@@ -74,10 +75,11 @@ def run_training(
     a heads-only input's base is when it moved (checked against the hashes it recorded)."""
     from ..checkpoint import read_config
 
-    out = Path(out).expanduser()
     reads, bases = read_by(model_dir, data, eval_data, base)
     # before anything is loaded; a heads-only output points at the base: it may not be written inside it
+    out = Path(out).expanduser()  # (the user's spelling, for the guard's messages; then where it leads)
     guard_out(out, model_dir, resume, overwrite, reads + ([] if heads_only else bases), bases if heads_only else [])
+    out = output_path(out)
     config = read_config(model_dir)
     if heads_only:
         check_heads_only(config, options, model_dir)

@@ -543,6 +543,17 @@ def test_saving_into_an_empty_folder_fills_it_in_place(tmp_path, small_converted
     no_partial_left(out)
 
 
+def test_saving_through_a_link_writes_where_it_points_and_keeps_it(tmp_path, small_converted):
+    link, real = tmp_path / "out", tmp_path / "disk" / "out"
+    link.symlink_to(real)  # (a folder yet to be made: it was "Not a directory" after the work)
+    assert deltafy.save(small_converted, link).resolve() == real.resolve()
+    deltafy.save(small_converted, link, overwrite=True)  # replaced the folder it points at, not the link
+    assert link.is_symlink() and link.readlink() == real
+    assert_state_equal(deltafy.load(link), small_converted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out"] and os.listdir(real.parent) == ["out"]
+    no_partial_left(real)
+
+
 def test_disk_full_during_save_is_a_clear_error(tmp_path, small_converted):
     out = tmp_path / "out"
     tok = FailingTokenizer(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
@@ -568,7 +579,9 @@ def test_disk_full_reported_by_safetensors_is_a_clear_error(tmp_path, small_conv
 def test_other_os_error_during_save_is_a_clear_error(tmp_path, small_converted):
     out = tmp_path / "out"
     tok = FailingTokenizer(PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
-    with pytest.raises(deltafy.DeltafyError, match="could not write .*Permission denied.*nothing was written"):
+    with pytest.raises(
+        deltafy.DeltafyError, match="could not write .*Permission denied; nothing was written: choose another --out$"
+    ):
         deltafy.save(small_converted, out, tokenizer=tok)
     assert list(tmp_path.iterdir()) == []
 

@@ -124,6 +124,30 @@ def _dead_partial_inside(here: Path, paths: dict) -> dict:
     return {"identity": _identity(here / "o")}
 
 
+def _linked_output(here: Path, paths: dict) -> None:
+    """``out``, a link to a previous output ``real`` (an output kept on another disk)."""
+    shutil.copytree(paths["delta"], here / "real")
+    (here / "real" / "README.md").write_text("the old card")
+    (here / "out").symlink_to(here / "real")
+
+
+def _link_kept(paths: dict) -> None:
+    """check: the output replaced the folder the link points at; the link is still that link."""
+    here = Path(paths["here"])
+    assert (here / "out").is_symlink() and (here / "out").readlink() == here / "real"
+    _assert_converted(here / "real")
+    assert (here / "real" / "README.md").read_text() != "the old card"
+    assert sorted(p.name for p in here.iterdir()) == ["out", "real"]  # nothing left beside them
+
+
+def _dangling_link(here: Path, paths: dict) -> None:
+    (here / "out").symlink_to(here / "made")
+
+
+def _looping_link(here: Path, paths: dict) -> None:
+    (here / "out").symlink_to(here / "out")
+
+
 def _identity(folder: Path) -> str:
     info = folder.stat()
     return f"{info.st_dev}:{info.st_ino}"
@@ -334,6 +358,31 @@ CASES = [
         prepare=_dead_partial_inside,
         check=_filled("{here}/o"),
     ),
+    # -- an --out that is a symbolic link: followed (replacing the link left the folder it named as it was)
+    Case(
+        "overwrite-through-a-link",
+        ["convert", "{stock}", "--out", "{here}/out", "--overwrite"],
+        0,
+        "llama · sequential pre-norm",
+        prepare=_linked_output,
+        check=_link_kept,
+    ),
+    Case(
+        "out-is-a-link-to-a-folder-yet-to-be-made",  # was: "could not write …: Not a directory", after the work
+        ["convert", "{stock}", "--out", "{here}/out"],
+        0,
+        "llama · sequential pre-norm",
+        prepare=_dangling_link,
+        check=lambda paths: _assert_converted(Path(paths["here"]) / "made"),
+    ),
+    Case(
+        "out-is-a-looping-link",
+        ["convert", "{stock}", "--out", "{here}/out"],
+        1,
+        "--out {here}/out is a symbolic link that cannot be followed (Too many levels of symbolic links)",
+        untouched=("{here}/out",),
+        prepare=_looping_link,
+    ),
     # -- output that cannot show "·", "α·β" or "Δ" gets "?" in their place, not an encoding error (stderr
     # already escapes what it cannot show)
     Case(
@@ -367,7 +416,7 @@ CASES = [
         ["convert", "{stock}", "--out", "{here}/small/out", "--in-memory"],
         1,
         "could not write {here}/small/out: ran out of disk space",
-        needles=("(it needs about 5", "kB free); nothing was written"),
+        needles=("(it needs about 5", "kB free); nothing was written: free space or choose another --out"),
         prepare=_full_disk,
         absent=("{here}/small/out",),
     ),

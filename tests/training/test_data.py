@@ -208,7 +208,12 @@ def test_split_held_out_is_reproducible_and_disjoint():
 
 
 def test_held_out_errors():
-    one_line_error(lambda: split_held_out(torch.zeros(2, 4), 0.9, seed=0), "only 2 blocks", "too few to hold out", "shorter --seq-len")
+    one_line_error(
+        lambda: split_held_out(torch.zeros(2, 4), 0.9, seed=0),
+        "only 2 blocks",
+        "too few to hold out",
+        "shorter --seq-len",
+    )
     one_line_error(lambda: split_held_out(torch.zeros(1, 4), 0.05, seed=0), "only 1 block of text")
     for fraction in (0.0, 1.0, 1.5):
         one_line_error(lambda f=fraction: split_held_out(torch.zeros(10, 4), f, seed=0), "between 0 and 1")
