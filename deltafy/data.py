@@ -8,6 +8,7 @@ that changes the tokens, so a second run starts at once and an edited input is n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -260,6 +261,30 @@ def token_stream(sources: list[str], tokenizer, text_field: str = "text", use_ca
                 store_tokens(_key(identity, fp), stream, about | identity | {"tokenizer_fingerprint": fp})
         parts.append(stream)
     return torch.cat(parts)
+
+
+def refuse_shared_text(train_inputs: list[str], held_inputs: list[str]) -> None:
+    """The held-out text must not be trained on: refuse an input of --eval-data that is one of --data's
+    (``expand``-ed lists), whatever either is called: a file with the same bytes (a copy, a link), the
+    same `datasets` folder or split (a folder of splits is read as its train split), the same Hub id."""
+
+    def read(source: str) -> tuple[str, str]:
+        path = Path(source)
+        if path.is_file():
+            return "file", file_digest(path)
+        if (path / "dataset_dict.json").is_file():  # (as _load_dataset reads it)
+            with contextlib.suppress(OSError, ValueError, TypeError, IndexError):
+                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+                path = path / ("train" if "train" in splits else splits[0])
+        return ("folder", os.path.realpath(path)) if path.is_dir() else ("hub", source)
+
+    trained = {read(source): source for source in train_inputs}
+    for source in held_inputs:
+        if (twin := trained.get(read(source))) is not None:
+            raise DeltafyError(
+                f"--eval-data {source} holds the same text as --data {twin}: the held-out text must not be "
+                f"trained on; hold out other text"
+            )
 
 
 def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -12,6 +12,5 @@ lr-<m>x/`` (the sweep, seed 0, validated on the held-out share of ``data``), ``r
 from .arms import ARMS, extended
 from .folder import BENCH_FILE, PLOT_FILE
 from .job import BenchResult, run_bench
-from .settings import refuse_shared_text
 
-__all__ = ["ARMS", "BENCH_FILE", "PLOT_FILE", "BenchResult", "extended", "refuse_shared_text", "run_bench"]
+__all__ = ["ARMS", "BENCH_FILE", "PLOT_FILE", "BenchResult", "extended", "run_bench"]

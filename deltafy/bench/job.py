@@ -15,7 +15,7 @@ from ..errors import DeltafyError, Interrupted
 from .arms import ARMS, Budgets, extended, needed, parse_arms, rate_label, rates_of, recipes_for, swept
 from .folder import BENCH_FILE, FORMAT, PLOT_FILE, clear, compare, converted, guard, write
 from .runs import curve, keep_only_the_record, memory_kind, train_run
-from .settings import check, data_fingerprints, default_eval_every, options_for, refuse_shared_text
+from .settings import check, data_fingerprints, default_eval_every, options_for
 from .table import Comparison, Row, comparisons, row_of
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs now)
@@ -62,7 +62,7 @@ def run_bench(
     CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
     from ..conversion.job import guard_source
-    from ..data import expand
+    from ..data import expand, refuse_shared_text
     from ..options import bench_options
     from ..sources.folders import output_path, refuse_overlap
 

@@ -58,18 +58,3 @@ def data_fingerprints(model_dir: Path, data, eval_data, seq_len: int, text_field
         "data_fingerprint": fingerprint(data, tokenizer, text_field),
         "eval_data_fingerprint": fingerprint(eval_data, tokenizer, text_field),
     }
-
-
-def refuse_shared_text(train_files: list[str], held_files: list[str]) -> None:
-    """The held-out text must not be trained on: refuse a file of --eval-data whose bytes are those of a
-    file of --data, whatever either is called (a copy under another name, a link)."""
-    from ..sources.provenance import sha256_file
-
-    trained = {sha256_file(Path(f)): f for f in train_files if Path(f).is_file()}
-    for file in held_files:
-        twin = trained.get(sha256_file(Path(file))) if Path(file).is_file() else None
-        if twin is not None:
-            raise DeltafyError(
-                f"--eval-data {file} holds the same text as --data {twin}: the held-out text must not be trained "
-                f"on; hold out other text"
-            )

@@ -76,6 +76,10 @@ def run_training(
     from ..checkpoint import read_config
 
     reads, bases = read_by(model_dir, data, eval_data, base)
+    if eval_data:
+        from ..data import expand, refuse_shared_text
+
+        refuse_shared_text(expand(data), expand(eval_data))  # (and a missing input, before anything is loaded)
     # before anything is loaded; a heads-only output points at the base: it may not be written inside it
     out = Path(out).expanduser()  # (the user's spelling, for the guard's messages; then where it leads)
     guard_out(out, model_dir, resume, overwrite, reads + ([] if heads_only else bases), bases if heads_only else [])

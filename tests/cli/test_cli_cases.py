@@ -118,6 +118,13 @@ CASES = [
         check=lambda paths: _absent(paths, "o-seed"),
     ),
     Case(
+        "train-on-its-held-out-text",  # was accepted: the "held-out loss" it printed was on trained text
+        ["train", "{delta}", "--data", "{train}", "--eval-data", "{train}", "--out", "{root}/o-same"],
+        1,
+        ("--eval-data {train} holds the same text as --data {train}: the held-out text must not be trained on",),
+        check=lambda paths: _absent(paths, "o-same"),
+    ),
+    Case(
         "train-recipe-lr-1e400",  # YAML reads 1e400 as a string, which pydantic would turn into inf
         ["train", "{delta}", "--data", "{train}", "--out", "{root}/o-lr400", "--recipe", "{root}/lr400.yaml"],
         1,

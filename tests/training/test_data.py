@@ -443,3 +443,29 @@ def test_tokenizer_without_eos(tmp_path, tok):
     no_eos = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
     (tmp_path / "a.txt").write_text(POEM)
     one_line_error(lambda: token_stream([str(tmp_path / "a.txt")], no_eos), "no EOS token")
+
+
+def test_held_out_text_that_is_trained_on_is_refused_under_any_name(tmp_path):
+    import datasets
+
+    from deltafy.data import refuse_shared_text
+
+    (tmp_path / "a.txt").write_text("the same words")
+    (tmp_path / "copy.txt").write_text("the same words")
+    (tmp_path / "other.txt").write_text("other words")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.txt")
+    splits = {name: datasets.Dataset.from_dict({"text": [name]}) for name in ("train", "test")}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "ds"))
+    a, ds = str(tmp_path / "a.txt"), str(tmp_path / "ds")
+    for trained, held in [
+        (a, str(tmp_path / "copy.txt")),
+        (a, str(tmp_path / "link.txt")),
+        (ds, f"{ds}/train"),  # a folder of splits is read as its train split
+        (f"{ds}/train", f"{tmp_path}/./ds"),
+        ("someone/corpus", "someone/corpus"),
+    ]:
+        one_line_error(
+            lambda t=trained, h=held: refuse_shared_text([t], [h]),
+            f"--eval-data {held} holds the same text as --data {trained}",
+        )
+    refuse_shared_text([a, ds], [str(tmp_path / "other.txt"), f"{ds}/test", "someone/other"])
