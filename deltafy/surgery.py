@@ -80,6 +80,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
         )
     if is_converted(model):
         raise DeltafyError("this model is already a deltafy model; convert the original instead")
+    _refuse_wrapper(model, "convert")
     recipe = load_recipe(recipe)
     config = model.config
     spec = build_spec(config, recipe, architecture=type(model).__name__)
@@ -93,9 +94,27 @@ def unconvert(model: nn.Module) -> nn.Module:
     """Remove the DDL heads and restore the original forwards, in place: the original model again,
     bitwise (whatever the heads learned is dropped). A wrapper installed on a site module after
     conversion (accelerate's hooks, say) stays in place and keeps working."""
+    _refuse_wrapper(model, "unconvert")
     remove_deltafy(model)
     model.config.__dict__.pop("deltafy", None)
     return model
+
+
+def _refuse_wrapper(model: nn.Module, verb: str) -> None:
+    """A wrapper that hands attribute reads on to a model (torch.compile's, peft's) reaches the layers
+    but holds none of the surgery's marks, and a compiled graph keeps the forwards it traced."""
+    if hasattr(model, "_orig_mod"):
+        raise DeltafyError(
+            f"this is torch.compile's wrapper of a model: {verb} the model itself (model._orig_mod), then "
+            f"compile the result"
+        )
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        if verb == "unconvert":
+            raise DeltafyError("this is a peft model: unconvert the model inside it, model.get_base_model()")
+        raise DeltafyError(
+            "this is a peft model: convert the model before adding adapters, or merge them first with "
+            "model.merge_and_unload() (deltafy train --train heads+lora adds LoRA to a converted model)"
+        )
 
 
 @dataclass

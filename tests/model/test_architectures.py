@@ -527,6 +527,27 @@ def test_convert_of_something_else_than_a_model_says_what_it_takes(thing):
     )
 
 
+def test_a_wrapped_model_is_refused_saying_which_model_to_pass():
+    """torch.compile's and peft's wrappers hand attribute reads on, so the surgery reached the layers but
+    left its marks on the wrapper: unconvert then said "not converted", and peft's said no decoder layers."""
+    from peft import LoraConfig, get_peft_model
+
+    plain = tiny_model("llama-tied")
+    with pytest.raises(DeltafyError, match=r"^this is torch.compile's wrapper of a model: convert the model itself"):
+        convert(torch.compile(plain))
+    adapted = get_peft_model(tiny_model("llama-tied"), LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(DeltafyError, match=r"^this is a peft model: convert the model before adding adapters"):
+        convert(adapted)
+    assert not is_converted(plain) and not is_converted(adapted)
+    converted = convert(plain)
+    with pytest.raises(DeltafyError, match=r"^this is torch.compile's wrapper of a model: unconvert the model itself"):
+        deltafy.unconvert(torch.compile(converted))
+    adapted = get_peft_model(converted, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(DeltafyError, match=r"^this is a peft model: unconvert the model inside it"):
+        deltafy.unconvert(adapted)
+    assert not is_converted(deltafy.unconvert(adapted.get_base_model()))
+
+
 @pytest.mark.parametrize("call", [deltafy.summarize, deltafy.head_parameter_groups], ids=lambda f: f.__name__)
 def test_a_model_not_converted_is_refused_saying_so(call):
     with pytest.raises(DeltafyError, match=r"^this model is not converted; call deltafy.convert\(model\) first$"):
