@@ -9,10 +9,12 @@ run leaves at most a ``*.tmp-PID`` leftover, never an entry that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -113,12 +115,27 @@ def _size(path: Path) -> int:
     return sum(p.lstat().st_size for p in path.rglob("*") if p.is_symlink() or p.is_file())
 
 
-def _entries(folder: Path, kind: str) -> list[Path]:
-    """The complete entries of one kind (temporary leftovers of killed runs are not entries)."""
+# The names deltafy gives what it writes in each kind's folder; anything else there is not deltafy's,
+# and neither `cache info` counts it nor `cache clear` removes it.
+_OWN = {
+    "tokens": re.compile(r"[0-9a-f]{24}\.(pt|json)"),  # a stream and its sidecar
+    "gguf": re.compile(r"[0-9a-f]{16}"),  # a dequantized model's folder
+    "kernels": re.compile(r"[^.].*\.so"),
+}
+_LEFTOVER = re.compile(r"\.tmp-\d+$")  # what a killed run left of an entry it was writing
+
+
+def _own(folder: Path, kind: str) -> list[Path]:
+    """deltafy's own files and folders in one kind's folder: entries, sidecars, killed runs' leftovers."""
     if not folder.is_dir():
         return []
-    pattern = "*.pt" if kind == "tokens" else "*"
-    return sorted(p for p in folder.glob(pattern) if ".tmp-" not in p.name)
+    return sorted(p for p in folder.iterdir() if _OWN[kind].fullmatch(_LEFTOVER.sub("", p.name)))
+
+
+def _entries(folder: Path, kind: str) -> list[Path]:
+    """The complete entries of one kind (temporary leftovers of killed runs are not entries)."""
+    own = (p for p in _own(folder, kind) if not _LEFTOVER.search(p.name))
+    return [p for p in own if kind != "tokens" or p.suffix == ".pt"]
 
 
 def _root() -> Path:
@@ -134,7 +151,7 @@ def cache_info() -> list[KindInfo]:
     infos = []
     for kind, what in KINDS.items():
         folder = root / kind
-        size = _size(folder) if folder.is_dir() else 0
+        size = sum(_size(p) for p in _own(folder, kind))
         infos.append(KindInfo(kind, what, folder, len(_entries(folder, kind)), size))
     return infos
 
@@ -155,17 +172,22 @@ def token_entries() -> list[dict]:
 def clear_cache(everything: bool = False) -> list[KindInfo]:
     """Remove the token streams (``everything``: every kind), and say what went and how much space came back.
 
-    Only deltafy's own subfolders are removed, never the cache folder itself: DELTAFY_CACHE may
-    point at a folder that holds other things too.
+    Only what deltafy wrote is removed, and a kind's folder once it is empty, never the cache folder
+    itself: DELTAFY_CACHE may point at a folder that holds other things too, even in these folders.
     """
     removed = []
     for info in cache_info():
         if not everything and info.kind != "tokens":
             continue
-        if info.folder.is_dir():
-            shutil.rmtree(info.folder, ignore_errors=True)  # a file a live run renamed away is no failure
-            if info.folder.exists():
-                raise DeltafyError(f"could not remove all of {info.folder}; check its permissions")
+        for path in _own(info.folder, info.kind):  # (a file a live run renamed away meanwhile is no failure)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if _own(info.folder, info.kind):
+            raise DeltafyError(f"could not remove all of {info.folder}; check its permissions")
+        with contextlib.suppress(OSError):  # (not empty: it holds files deltafy did not write)
+            info.folder.rmdir()
         removed.append(info)
     return removed
 

@@ -97,3 +97,28 @@ def test_a_missing_cache_folder_is_no_error_and_a_file_is_one_line(tmp_path):
     a_file.write_text("")
     for args in (("info",), ("clear",)):
         assert_one_line_error(cli("cache", *args, cwd=tmp_path, env={"DELTAFY_CACHE": str(a_file)}), "is a file")
+
+
+def test_cache_clear_leaves_what_deltafy_did_not_write_in_its_folders(tmp_path):
+    """DELTAFY_CACHE may be a folder of the user's; its tokens/ or gguf/ may hold the user's files too."""
+    root = tmp_path / "cache"
+    (root / "gguf" / "0123456789abcdef").mkdir(parents=True)
+    (root / "gguf" / "0123456789abcdef" / "config.json").write_text("{}")
+    (root / "gguf" / "0123456789abcdef.tmp-7").mkdir()  # a killed dequantization's leftover
+    (root / "gguf" / "notes.txt").write_text("mine")
+    key = "0123456789abcdef01234567"
+    (root / "tokens" / "mine").mkdir(parents=True)
+    for name, body in [(f"{key}.pt", "x" * 100), (f"{key}.json", "{}"), (f"{key}.pt.tmp-7", "xx"), ("corpus.txt", "m")]:
+        (root / "tokens" / name).write_text(body)
+    env = {"DELTAFY_CACHE": str(root)}
+    data = json.loads(cli("cache", "info", "--json", cwd=tmp_path, env=env).stdout)
+    assert {k: (v["entries"], v["bytes"]) for k, v in data["kinds"].items() if k != "kernels"} == {
+        "tokens": (1, 104),  # the stream, its sidecar and a leftover; not corpus.txt
+        "gguf": (1, 2),
+    }
+    proc = cli("cache", "clear", "--all", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"freed 106 B in {root}"
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert left == ["gguf", "gguf/notes.txt", "tokens", "tokens/corpus.txt", "tokens/mine"]
+    assert (root / "gguf" / "notes.txt").read_text() == "mine"
