@@ -145,8 +145,13 @@ def _load_dataset(source: str):
     except Exception as err:
         raise DeltafyError(f"could not load dataset {source}: {first_line(err)}") from err
     if isinstance(data, datasets.DatasetDict):
-        data = data["train"] if "train" in data else next(iter(data.values()))
+        data = data[_read_split(data)]
     return data
+
+
+def _read_split(splits) -> str:
+    """The split a `datasets` folder of several is read as: its train split, else its first."""
+    return "train" if "train" in splits else next(iter(splits))
 
 
 # A Hub dataset is loaded once per process, so its cache key (the revision it resolved to) and its
@@ -272,10 +277,9 @@ def refuse_shared_text(train_inputs: list[str], held_inputs: list[str]) -> None:
         path = Path(source)
         if path.is_file():
             return "file", file_digest(path)
-        if (path / "dataset_dict.json").is_file():  # (as _load_dataset reads it)
-            with contextlib.suppress(OSError, ValueError, TypeError, IndexError):
-                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
-                path = path / ("train" if "train" in splits else splits[0])
+        if (path / "dataset_dict.json").is_file():  # a folder of splits, read as _load_dataset reads it
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError, StopIteration):
+                path = path / _read_split(json.loads((path / "dataset_dict.json").read_text())["splits"])
         return ("folder", os.path.realpath(path)) if path.is_dir() else ("hub", source)
 
     trained = {read(source): source for source in train_inputs}
