@@ -249,6 +249,8 @@ def _base_config_class(config) -> type:
 def read_config(path: str | Path) -> dict:
     path = Path(path).expanduser()
     file = path / "config.json"
+    if not path.exists():
+        raise DeltafyError(f"{path} does not exist; pass the folder `deltafy convert` or `deltafy train` wrote")
     if not file.is_file():
         raise DeltafyError(f"{path} is not a model folder (no config.json)")
     try:

@@ -23,6 +23,10 @@ LOSS_FIGURE = "loss.png"
 BETA_FIGURE = "beta.png"
 LOCK_FILE = ".deltafy-lock"
 
+# -- a bench's --out (deltafy.bench: its models and runs, and what it measured)
+BENCH_FILE = "bench.json"
+BENCH_PLOT = "bench.png"
+
 OWN_FILES = (
     CONFIG_FILE,
     "generation_config.json",

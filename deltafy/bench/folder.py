@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 
 from ..errors import DeltafyError
+from ..files import BENCH_FILE
+from ..files import BENCH_PLOT as PLOT_FILE
 
-BENCH_FILE, PLOT_FILE = "bench.json", "bench.png"
 OWNED = ("models", "runs", BENCH_FILE, PLOT_FILE)  # what --overwrite replaces; nothing else in the folder
 FORMAT = 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import interrupts
 from ..errors import DeltafyError, first_line
-from ..files import HEADS_FILE, LOCK_FILE, RECORD_FILE, STATE_DIR, owned
+from ..files import BENCH_FILE, HEADS_FILE, LOCK_FILE, RECORD_FILE, STATE_DIR, owned
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,15 @@ def is_output(folder: Path) -> bool:
     return is_deltafy_folder(folder) or (folder / STATE_DIR / RECORD_FILE).is_file()
 
 
+def refuse_bench(out: Path, flag: str) -> None:
+    """A bench's folder is deltafy's but holds no model: a model written over it would sit among its runs."""
+    if (out / BENCH_FILE).is_file():
+        raise DeltafyError(
+            f"{out} holds a deltafy bench ({BENCH_FILE}), not a model or a training run for {flag} to "
+            f"{'continue' if flag == '--resume' else 'replace'}; choose another --out (or delete the bench first)"
+        )
+
+
 def holds_files(out: Path) -> bool:
     """Whether an --out folder holds anything but a run's lock: an output (or the user's files) is there."""
     return out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir())
@@ -70,6 +79,7 @@ def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> bool:
     if held:
         if not overwrite:
             raise DeltafyError(f"{out} already holds files; choose an empty or new folder, or pass --overwrite")
+        refuse_bench(out, "--overwrite")
         if not is_output(out):
             raise DeltafyError(
                 f"--overwrite replaces only a folder deltafy wrote, and {out} is not one (no deltafy config.json or "

@@ -32,7 +32,14 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
     (``reads``: its data, a base; ``within``: the base a heads-only output loads, which ``--out`` may
     not lie inside either); without --resume or --overwrite, one that holds files; with --overwrite,
     one that deltafy did not write."""
-    from ..sources.folders import check_writable, holds_files, is_output, refuse_non_folder, refuse_overlap
+    from ..sources.folders import (
+        check_writable,
+        holds_files,
+        is_output,
+        refuse_bench,
+        refuse_non_folder,
+        refuse_overlap,
+    )
 
     check_resume(resume, overwrite)
     refuse_overlap(out, [("the input model folder", Path(model_dir)), *reads], within)
@@ -43,6 +50,7 @@ def guard_out(out: Path, model_dir: str, resume: bool, overwrite: bool, reads=()
                 f"{out} already holds files; pass --resume to continue that run, --overwrite to replace its "
                 f"model and run state, or choose another --out"
             )
+        refuse_bench(out, "--resume" if resume else "--overwrite")
         if not is_output(out):
             raise DeltafyError(
                 f"{out} holds files that deltafy did not write (no deltafy config.json or run record): "

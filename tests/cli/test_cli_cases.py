@@ -136,6 +136,12 @@ CASES = [
         1,
         ("invalid recipe", "rank:"),
     ),
+    Case(  # said "is not a model folder (no config.json)" of a folder that is not there
+        "inspect-a-folder-that-is-not-there",
+        ["inspect", "{root}/no-such-run"],
+        1,
+        ("{root}/no-such-run does not exist; pass the folder `deltafy convert` or `deltafy train` wrote",),
+    ),
     # -- custom code: refused at once, never an interactive prompt
     Case(
         "convert-custom-code", ["convert", "{custom}", "--out", "{root}/o-custom"], 1, ("needs its own modeling code",)

@@ -274,6 +274,20 @@ def test_out_folder_guards(tiny, tmp_path):
         with pytest.raises(DeltafyError, match=f"deltafy did not write .* --{flag} applies only"):
             run_training(str(tiny.delta), [str(tiny.train_txt)], busy, opts(), show_progress=False, **{flag: True})
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+    # a bench's folder is deltafy's, yet no run: once said "deltafy did not write" it
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "bench.json").write_text("{}")
+    (bench / "runs").mkdir()
+    for flag, verb in (("resume", "continue"), ("overwrite", "replace")):
+        with pytest.raises(
+            DeltafyError,
+            match=f"holds a deltafy bench \\(bench.json\\), not a model or a training run for --{flag} to {verb}",
+        ):
+            run_training(str(tiny.delta), [str(tiny.train_txt)], bench, opts(), show_progress=False, **{flag: True})
+    with pytest.raises(DeltafyError, match="holds a deltafy bench"):
+        deltafy.save(deltafy.load(tiny.delta), bench, overwrite=True)
+    assert sorted(p.name for p in bench.iterdir()) == ["bench.json", "runs"]
 
 
 # -- LoRA and full training -------------------------------------------------------------------
