@@ -1,4 +1,4 @@
-"""The name of every file and folder deltafy writes into a checkpoint or a training run's ``--out``,
+"""The name of every file and folder deltafy writes into a checkpoint, a training run's or a bench's ``--out``,
 and which of them ``--overwrite`` may replace. Everything else in such a folder is the user's."""
 
 from __future__ import annotations
