@@ -216,10 +216,18 @@ def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
         raise DeltafyError(f"invalid {origin}: {format_validation(err)}") from err
 
 
-def load_recipe(name_or_path: str | Path | Recipe | None = None) -> Recipe:
-    """A bundled recipe by name, a YAML file by path, or the default recipe for ``None``."""
+def load_recipe(name_or_path: str | Path | Recipe | dict | None = None) -> Recipe:
+    """A bundled recipe by name, a YAML file by path, a dict of a recipe file's keys, or the default recipe for
+    ``None``."""
     if isinstance(name_or_path, Recipe):
         return name_or_path
+    if isinstance(name_or_path, dict):
+        return recipe_from_dict(name_or_path)
+    if not isinstance(name_or_path, (str, Path, type(None))):
+        raise DeltafyError(
+            f"a recipe is a deltafy.Recipe, a bundled recipe's name, a YAML file's path or a dict of its keys, "
+            f"not {name_or_path!r}"
+        )
     key = str(name_or_path) if name_or_path is not None else DEFAULT_RECIPE
     bundled = bundled_recipes()
     path = bundled.get(key, Path(key))

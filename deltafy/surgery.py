@@ -63,14 +63,14 @@ def _require_converted(model: nn.Module) -> None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
 
 
-def convert(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
+def convert(model: nn.Module, recipe: Recipe | str | dict | None = None) -> nn.Module:
     """Turn every residual write of ``model`` (a loaded Hugging Face decoder) into a DDL write, in
     place, and return it.
 
     The model's outputs are unchanged: bitwise where the recipe's strength α starts at 0 (every
     bundled recipe but ddl-scalar-logit), up to the initial β (about 3e-8) with a logit gate; the new
-    heads are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name or a
-    YAML path (default: the paper's scalar recipe). :func:`unconvert` undoes it.
+    heads are the only new parameters. ``recipe`` is a :class:`Recipe`, a bundled recipe name, a
+    YAML path or a dict of a recipe file's keys (default: the paper's scalar recipe). :func:`unconvert` undoes it.
     """
     if not (isinstance(model, nn.Module) and hasattr(model, "config")):
         got = f"the {type(model).__name__} {model!r}" if isinstance(model, (str, Path)) else f"a {type(model).__name__}"

@@ -67,6 +67,23 @@ def test_recipe_instance_passes_through_unchanged():
     assert load_recipe(recipe) is recipe
 
 
+def test_a_dict_of_recipe_keys_is_a_recipe_and_anything_else_is_named():
+    # a dict was read as a recipe's name ("no recipe named \"{'direction': 'learned'}\"")
+    assert load_recipe({"name": "mine", "direction": "learned", "rank": 4}) == Recipe(
+        name="mine", direction="learned", rank=4
+    )
+    with pytest.raises(DeltafyError) as excinfo:
+        load_recipe({"name": "mine", "direction": "sideways"})
+    assert _one_line_error(excinfo).startswith("invalid recipe: direction:")
+    for wrong in (5, ["attn"], b"ddl-scalar"):
+        with pytest.raises(DeltafyError) as excinfo:
+            load_recipe(wrong)
+        assert _one_line_error(excinfo) == (
+            f"a recipe is a deltafy.Recipe, a bundled recipe's name, a YAML file's path or a dict of its keys, "
+            f"not {wrong!r}"
+        )
+
+
 # -- YAML paths ------------------------------------------------------------------------------
 
 
