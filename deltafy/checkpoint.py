@@ -89,6 +89,10 @@ def save(
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):  # (once failed after the weights)
+        raise DeltafyError(
+            f"tokenizer= takes a loaded tokenizer, AutoTokenizer.from_pretrained(...), not {tokenizer!r}"
+        )
     out = output_path(out)
     # A loaded checkpoint keeps where it came from when it is saved again.
     # public(): a checkpoint written before provenance kept names only still carries the local path

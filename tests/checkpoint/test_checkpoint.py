@@ -652,12 +652,22 @@ def test_save_refuses_unconverted_model(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_save_refuses_a_tokenizer_that_is_not_one_before_writing(tmp_path, small_converted):
+    # a path there failed with AttributeError once the weights were written
+    with pytest.raises(deltafy.DeltafyError, match="tokenizer= takes a loaded tokenizer.*not 'gpt2'"):
+        deltafy.save(small_converted, tmp_path / "out", tokenizer="gpt2")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_load_refuses_stock_folder_and_other_format_version(tmp_path, small_converted):
     stock = tmp_path / "stock"
     tiny_model("gpt2").save_pretrained(stock)
     with pytest.raises(deltafy.DeltafyError, match="not a deltafy checkpoint"):
         deltafy.load(stock)
-    with pytest.raises(deltafy.DeltafyError, match="no config.json"):
+    with pytest.raises(deltafy.DeltafyError, match="nowhere does not exist; pass the folder `deltafy convert`"):
+        deltafy.load(tmp_path / "nowhere")
+    (tmp_path / "nowhere").mkdir()
+    with pytest.raises(deltafy.DeltafyError, match="nowhere is not a model folder \\(no config.json\\)"):
         deltafy.load(tmp_path / "nowhere")
     out = deltafy.save(small_converted, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
