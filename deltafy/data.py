@@ -1,4 +1,4 @@
-"""Training and evaluation text: files, folders, globs, JSONL and `datasets`, packed into blocks.
+"""Training and evaluation text: files, folders, globs, files of records and `datasets`, packed into blocks.
 
 Documents are tokenized with the model's tokenizer, joined with EOS between them and cut into
 fixed blocks of ``seq_len`` tokens. The token stream of each input is cached on disk (see
@@ -9,11 +9,14 @@ that changes the tokens, so a second run starts at once and an edited input is n
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
 import glob
 import hashlib
+import io
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +27,12 @@ from .sources.cache import file_digest, folder_digest, load_tokens, store_tokens
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# files of records, each record's --text-field a document (read as text, a .json array's markup would be trained on)
+RECORD_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".csv", ".tsv", ".parquet")
 DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
 
 # Part of every cache key: bump it when reading or joining documents changes, and old entries miss.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # (3: .json, .csv, .tsv and .parquet files are read as records, no longer as text)
 
 
 def expand(paths: list[str]) -> list[str]:
@@ -44,9 +49,11 @@ def expand(paths: list[str]) -> list[str]:
             if any((path / marker).is_file() for marker in DATASETS_MARKERS):
                 found.append(typed)  # a `datasets` folder saved with save_to_disk
                 continue
-            files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES + RECORD_SUFFIXES)
             if not files:
-                raise DeltafyError(f"{raw} holds no .txt, .md or .jsonl files")
+                raise DeltafyError(
+                    f"{raw} holds no text files (.txt, .md) or files of records (.jsonl, .json, .csv, …)"
+                )
             found += files
         elif path.is_file():
             found.append(typed)
@@ -59,7 +66,7 @@ def expand(paths: list[str]) -> list[str]:
             raise DeltafyError(f"{raw} is not a file or a folder; pass a text file, a folder of them or a dataset")
         elif (
             raw.startswith((".", "/", "~"))
-            or Path(raw).suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES + (".json",)
+            or Path(raw).suffix.lower() in TEXT_SUFFIXES + RECORD_SUFFIXES
             or raw.count("/") > 1
         ):
             raise DeltafyError(f"data not found: {raw} (no such file or folder)")
@@ -95,10 +102,28 @@ def _decode(source: str, raw: bytes) -> str:
 
 
 def _file_documents(source: str, raw: bytes, text_field: str) -> Iterator[str]:
-    text = _decode(source, raw)
-    if Path(source).suffix.lower() not in JSONL_SUFFIXES:
-        yield text
+    suffix = Path(source).suffix.lower()
+    if suffix == ".parquet":
+        yield from _parquet_documents(source, raw, text_field)
         return
+    text = _decode(source, raw)
+    if suffix in (".csv", ".tsv"):
+        yield from _table_documents(source, text, text_field, "\t" if suffix == ".tsv" else ",")
+    elif suffix == ".json":
+        yield from _json_documents(source, text, text_field)
+    elif suffix in JSONL_SUFFIXES:
+        yield from _jsonl_documents(source, text, text_field)
+    else:
+        yield text
+
+
+def _field(source: str, where: str, record, text_field: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise DeltafyError(f"{source}{where} has no string field {text_field!r} (set --text-field)")
+    return record[text_field]
+
+
+def _jsonl_documents(source: str, text: str, text_field: str) -> Iterator[str]:
     # Lines end at "\n" only: str.splitlines() would also split at U+2028 and friends, which JSON
     # strings may hold unescaped.
     for n, line in enumerate(text.split("\n"), 1):
@@ -108,9 +133,52 @@ def _file_documents(source: str, raw: bytes, text_field: str) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DeltafyError(f"{source}:{n} is not valid JSON ({err.msg} at column {err.colno})") from err
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise DeltafyError(f"{source}:{n} has no string field {text_field!r} (set --text-field)")
-        yield record[text_field]
+        yield _field(source, f":{n}", record, text_field)
+
+
+def _json_documents(source: str, text: str, text_field: str) -> Iterator[str]:
+    """A .json file: a list of records (or one), or JSON Lines under a .json name, as `datasets` reads both."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # a second value after the first: one record per line
+            yield from _jsonl_documents(source, text, text_field)
+            return
+        raise DeltafyError(f"{source} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from err
+    for n, record in enumerate(data if isinstance(data, list) else [data]):
+        yield _field(source, f": record {n}" if isinstance(data, list) else "", record, text_field)
+
+
+def _table_documents(source: str, text: str, text_field: str, delimiter: str) -> Iterator[str]:
+    csv.field_size_limit(max(csv.field_size_limit(), sys.maxsize >> 32))  # a document is longer than 128 KiB
+    rows = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    if text_field not in (rows.fieldnames or ()):
+        columns = ", ".join(rows.fieldnames or ()) or "none"
+        raise DeltafyError(f"{source} has no column {text_field!r} (set --text-field); its columns: {columns}")
+    try:
+        yield from (row[text_field] for row in rows if row[text_field])
+    except csv.Error as err:
+        raise DeltafyError(f"{source}:{rows.line_num} is not valid CSV ({err})") from err
+
+
+def _parquet_documents(source: str, raw: bytes, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq  # (a dependency of datasets)
+
+    try:
+        table = pq.ParquetFile(io.BytesIO(raw))
+        names = table.schema_arrow.names
+        if text_field not in names:
+            raise DeltafyError(
+                f"{source} has no column {text_field!r} (set --text-field); its columns: {', '.join(names)}"
+            )
+        column = table.read(columns=[text_field]).column(0)
+    except DeltafyError:
+        raise
+    except Exception as err:  # pyarrow's errors share no base class but Exception
+        raise DeltafyError(f"could not read {source} as Parquet: {first_line(err)}") from err
+    if not (column.type == "string" or column.type == "large_string"):
+        raise DeltafyError(f"{source}'s column {text_field!r} holds {column.type}, not text (set --text-field)")
+    yield from (text for text in column.to_pylist() if text)
 
 
 def documents(source: str, text_field: str = "text") -> Iterator[str]:
@@ -194,9 +262,9 @@ def _identity(source: str, text_field: str) -> dict:
     """What one input's tokens depend on besides the tokenizer, by content, never by path or time."""
     path = Path(source)
     if path.is_file():
-        jsonl = path.suffix.lower() in JSONL_SUFFIXES
-        ident = {"kind": "jsonl" if jsonl else "text", "sha256": file_digest(path), "bytes": path.stat().st_size}
-        return ident | ({"text_field": text_field} if jsonl else {})
+        records = path.suffix.lower() in RECORD_SUFFIXES
+        ident = {"kind": "records" if records else "text", "sha256": file_digest(path), "bytes": path.stat().st_size}
+        return ident | ({"text_field": text_field} if records else {})
     if path.is_dir():
         digest, size = folder_digest(path)
         return {"kind": "datasets", "sha256": digest, "bytes": size, "text_field": text_field}

@@ -109,7 +109,9 @@ class TrainingDefaults(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: less memory, more time"
     )
-    text_field: str = Field("text", description="JSONL or dataset field holding the text")
+    text_field: str = Field(
+        "text", description="field or column of the records (JSONL, JSON, CSV, Parquet, datasets) holding the text"
+    )
 
 
 class Recipe(BaseModel):
@@ -392,7 +394,9 @@ class EvalOptions(BaseModel):
     seq_len: int = _as_trained("seq_len", "tokens per block, at least 2 and at most the model's positions")
     batch_size: int = _as_trained("batch_size", "blocks per forward, at least 1")
     max_blocks: int | None = Field(None, description="evaluate the first N blocks at most (unset: all of them)")
-    text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+    text_field: str = _as_trained(
+        "text_field", "field or column of the records (JSONL, JSON, CSV, Parquet, datasets) holding the text"
+    )
     dtype: DTypeName = Field("auto", description="precision to load the model in; auto: as the checkpoint records it")
     device: DeviceName | None = Field(
         None, description="device to evaluate on, e.g. cuda", json_schema_extra={"shown": "cpu"}
@@ -438,7 +442,9 @@ class BenchOptions(BaseModel):
     lora_targets: list[str] | None = Field(
         None, description="LoRA or (IA)^3 module names; unset: peft's for the model family"
     )
-    text_field: str = _as_trained("text_field", "JSONL or dataset field holding the text")
+    text_field: str = _as_trained(
+        "text_field", "field or column of the records (JSONL, JSON, CSV, Parquet, datasets) holding the text"
+    )
 
     @model_validator(mode="before")
     @classmethod

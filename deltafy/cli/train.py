@@ -30,7 +30,8 @@ def train_command(
         typer.Option(
             "--data",
             "-d",
-            help="Text: .txt/.md/.jsonl files, folders, globs, or a datasets folder / Hub id. Repeat for several.",
+            help="Text: .txt/.md files, records (.jsonl/.json/.csv/.parquet, --text-field), folders, globs, or a "
+            "datasets folder / Hub id. Repeat for several.",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the trained checkpoint and run state.")],

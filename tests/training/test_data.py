@@ -52,13 +52,14 @@ def test_expand_files_folders_and_globs(tmp_path):
         corpus / "a" / "mid.md": "m",
         corpus / "a" / "b" / "deep.jsonl": '{"text": "d"}',
         corpus / "a" / "b" / "notes.rst": "r",
+        corpus / "a" / "rows.csv": "text\nc\n",
         corpus / "a" / "skip.bin": "x",
         corpus / "a" / "b" / "skip.py": "x",
     }
     for path, text in files.items():
         path.write_text(text)
-    wanted = sorted(str(p) for p in files if p.suffix in (".txt", ".md", ".jsonl", ".rst"))
-    assert sorted(expand([str(corpus)])) == wanted  # recursive, text files only
+    wanted = sorted(str(p) for p in files if p.suffix in (".txt", ".md", ".jsonl", ".rst", ".csv"))
+    assert sorted(expand([str(corpus)])) == wanted  # recursive, files of text and of records only
     assert expand([str(corpus / "top.txt")]) == [str(corpus / "top.txt")]
     assert expand([str(corpus / "**" / "*.md")]) == [str(corpus / "a" / "mid.md")]  # recursive glob
     deep = corpus / "a" / "b"
@@ -75,7 +76,9 @@ def test_expand_errors(tmp_path):
     one_line_error(lambda: expand(["./nowhere"]), "data not found")
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "weights.bin").write_bytes(b"\x00")
-    one_line_error(lambda: expand([str(tmp_path / "bare")]), "holds no .txt, .md or .jsonl files")
+    one_line_error(
+        lambda: expand([str(tmp_path / "bare")]), "holds no text files (.txt, .md) or files of records (.jsonl, .json"
+    )
     one_line_error(lambda: expand([str(tmp_path / "*.nothing")]), "no files match", "*.nothing")
     # something that exists but is neither (it was called "not found")
     one_line_error(lambda: expand([os.devnull]), f"{os.devnull} is not a file or a folder")
@@ -130,6 +133,31 @@ def test_jsonl_lines_are_documents(tmp_path):
     path.write_text(json.dumps(rows[0]) + "\n\n   \n" + json.dumps(rows[1]) + "\n")  # blank lines skipped
     assert list(documents(str(path))) == ["first", "second"]
     assert list(documents(str(path), text_field="body")) == ["uno", "dos"]
+
+
+def test_json_csv_tsv_and_parquet_files_are_records_whose_text_field_is_a_document(tmp_path):
+    # they were read as text: a .json array's brackets, keys and quotes were trained on, and a .csv's header
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": 'first, "quoted"', "body": "uno"}, {"text": "second\nline", "body": "dos"}]
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "lines.json").write_text("\n".join(map(json.dumps, rows)) + "\n")  # JSON Lines named .json
+    (tmp_path / "one.json").write_text(json.dumps(rows[0]))
+    (tmp_path / "rows.csv").write_text(
+        'body,text\nuno,"first, ""quoted"""\ndos,"second\nline"\n,\n'
+    )  # (an empty row: no document)
+    (tmp_path / "rows.tsv").write_text('text\tbody\nfirst, "quoted"\tuno\n')
+    pq.write_table(pa.table({"body": ["uno", "dos"], "text": [r["text"] for r in rows]}), tmp_path / "rows.parquet")
+    both = ['first, "quoted"', "second\nline"]
+    for name in ("array.json", "lines.json", "rows.csv", "rows.parquet"):
+        assert list(documents(str(tmp_path / name))) == both, name
+        assert list(documents(str(tmp_path / name), text_field="body")) == ["uno", "dos"], name
+    assert list(documents(str(tmp_path / "one.json"))) == both[:1]
+    assert list(documents(str(tmp_path / "rows.tsv"))) == both[:1]
+    long = "x" * 200_000  # past the csv module's default field limit of 128 KiB
+    (tmp_path / "long.csv").write_text(f"text\n{long}\n")
+    assert list(documents(str(tmp_path / "long.csv"))) == [long]
 
 
 def test_datasets_folder_saved_with_save_to_disk(tmp_path, tok):
@@ -420,14 +448,27 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path, tok):
         "nofield.jsonl": (b'{"text": "ok"}\n{"body": "x"}\n', "nofield.jsonl:2 has no string field 'text'"),
         "notstring.jsonl": (b'{"text": 3}\n', "has no string field 'text'"),
         "array.jsonl": (b'["text"]\n', "has no string field 'text'"),
+        "bad.json": (b'[{"text": "ok"},\n', "bad.json is not valid JSON (Expecting value at line 2, column 1)"),
+        "strings.json": (b'["ok", "no"]', "strings.json: record 0 has no string field 'text' (set --text-field)"),
+        "scalar.json": (b"42", "scalar.json has no string field 'text'"),
+        "nocolumn.csv": (b"a,b\n1,2\n", "nocolumn.csv has no column 'text' (set --text-field); its columns: a, b"),
+        "empty.csv": (b"", "empty.csv has no column 'text' (set --text-field); its columns: none"),
+        "broken.parquet": (b"PAR1" + bytes(64) + b"PAR1", "broken.parquet as Parquet: "),
     }
     for name, (raw, needle) in cases.items():
         path = tmp_path / name
         path.write_bytes(raw)
         one_line_error(lambda p=path: token_stream([str(p)], tok), needle)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "numbers.parquet")
+    one_line_error(
+        lambda: token_stream([str(tmp_path / "numbers.parquet")], tok), "column 'text' holds int64, not text"
+    )
     one_line_error(lambda: token_stream([str(tmp_path / "missing.txt")], tok), "data not found")
     (tmp_path / "empty-folder").mkdir()
-    one_line_error(lambda: token_stream([str(tmp_path / "empty-folder")], tok), "holds no .txt")
+    one_line_error(lambda: token_stream([str(tmp_path / "empty-folder")], tok), "holds no text files")
 
 
 def test_too_little_text_for_one_block(tmp_path, tok):
