@@ -93,8 +93,12 @@ def _read_bytes(source: str) -> bytes:
 
 
 def _decode(source: str, raw: bytes) -> str:
-    if b"\x00" in raw[:8192]:
-        raise DeltafyError(f"{source} looks binary; pass UTF-8 text (.txt, .md) or JSONL")
+    if b"\x00" in raw[:8192] or raw[:2] == b"\x1f\x8b":
+        if (kind := Path(source).suffix.lower()) in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+            raise DeltafyError(f"{source} is compressed ({kind}); decompress it first and pass the file inside")
+        raise DeltafyError(
+            f"{source} looks binary; pass UTF-8 text (.txt, .md), records (.jsonl, .json, .csv, .parquet)"
+        )
     try:
         return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -443,6 +444,7 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path, tok):
         "empty.txt": (b"", "holds no text"),
         "blank.md": (b"  \n\n\t\n", "holds no text"),
         "binary.txt": (b"some text\x00\x01\x02 more", "looks binary"),
+        "text.txt.gz": (gzip.compress(b"text"), "text.txt.gz is compressed (.gz); decompress it first"),
         "latin1.txt": ("Café crème, señor".encode("latin-1"), "is not UTF-8"),
         "bad.jsonl": (b'{"text": "ok"}\n{"text": oops}\n', "bad.jsonl:2 is not valid JSON"),
         "nofield.jsonl": (b'{"text": "ok"}\n{"body": "x"}\n', "nofield.jsonl:2 has no string field 'text'"),
