@@ -197,6 +197,12 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     else:
         run.train_blocks, run.eval_blocks = split_held_out(blocks, options.held_out, options.seed)
     run.eval_blocks = run.eval_blocks[: options.max_eval_blocks]
+    passes = steps * tokens_per_step / options.seq_len / len(run.train_blocks)
+    if main and passes > 1 and not finished:  # (a few blocks can make every step a batch of copies of them)
+        notice(
+            f"{steps} step{'s' * (steps != 1)} of {tokens_per_step // options.seq_len} blocks read the {len(run.train_blocks):,} "
+            f"training blocks {passes:.1f} times over; pass more text (or fewer --steps) if the held-out loss rises"
+        )
     run.model, run.groups = select_trainable(run.model, options.train, options)
     run.trainable = sum(p.numel() for g in run.groups for p in g["params"])
     status("held-out loss before training")

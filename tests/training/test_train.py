@@ -260,6 +260,23 @@ def test_a_finished_run_leaves_its_model_to_reference_counting(tiny, tmp_path):
     assert left == set()
 
 
+def test_a_run_that_reads_its_text_more_than_once_says_so(tiny, tmp_path):
+    # steps x blocks past the text were read as passes over it, silently: a batch of 8000 blocks over 190 said nothing
+    blocks = len(pack(token_stream([str(tiny.train_txt)], tiny.tokenizer, use_cache=False), 64))
+    for steps, batch in ((3, 16), (1, 2)):
+        notices = []
+        run_training(
+            str(tiny.delta), [str(tiny.train_txt)], tmp_path / f"run-{steps}", opts(steps=steps, batch_size=batch),
+            eval_data=[str(tiny.held_txt)], show_progress=False, notice=notices.append,
+        )  # fmt: skip
+        passes = steps * batch / blocks
+        assert notices == [
+            f"{steps} steps of {batch} blocks read the {blocks} training blocks {passes:.1f} times over; pass more "
+            f"text (or fewer --steps) if the held-out loss rises"
+        ] * (passes > 1)
+    assert passes < 1 < 3 * 16 / blocks  # (both arms ran)
+
+
 def test_out_folder_guards(tiny, tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
