@@ -180,7 +180,7 @@ def _parquet_documents(source: str, raw: bytes, text_field: str) -> Iterator[str
         raise
     except Exception as err:  # pyarrow's errors share no base class but Exception
         raise DeltafyError(f"could not read {source} as Parquet: {first_line(err)}") from err
-    if not (column.type == "string" or column.type == "large_string"):
+    if str(column.type) not in ("string", "large_string", "string_view"):
         raise DeltafyError(f"{source}'s column {text_field!r} holds {column.type}, not text (set --text-field)")
     yield from (text for text in column.to_pylist() if text)
 

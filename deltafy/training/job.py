@@ -200,8 +200,9 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     passes = steps * tokens_per_step / options.seq_len / len(run.train_blocks)
     if main and passes > 1 and not finished:  # (a few blocks can make every step a batch of copies of them)
         notice(
-            f"{steps} step{'s' * (steps != 1)} of {tokens_per_step // options.seq_len} blocks read the {len(run.train_blocks):,} "
-            f"training blocks {passes:.1f} times over; pass more text (or fewer --steps) if the held-out loss rises"
+            f"{steps} step{'s' * (steps != 1)} of {tokens_per_step // options.seq_len} blocks read the "
+            f"{len(run.train_blocks):,} training blocks {passes:.1f} times over; pass more text (or fewer --steps) "
+            f"if the held-out loss rises"
         )
     run.model, run.groups = select_trainable(run.model, options.train, options)
     run.trainable = sum(p.numel() for g in run.groups for p in g["params"])
