@@ -24,8 +24,8 @@ _EXPORTS = {
     "save": ".checkpoint",
     "load": ".checkpoint",
     "load_tokenizer": ".checkpoint",
-    "Recipe": ".options",
-    "load_recipe": ".options",
+    "Recipe": ".recipe",
+    "load_recipe": ".recipe",
     "DeltafyError": ".errors",
     "CheckReport": ".conversion.verify",
 }

@@ -21,9 +21,9 @@ from .card import model_card, public
 from .errors import DeltafyError, first_line
 from .files import CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
-from .options import Recipe
 from .placement import AUTO, auto_device_map, usable_device
 from .quiet import quiet_transformers
+from .recipe import Recipe
 from .sources.folders import atomic_dir, output_path
 from .sources.load import NO_REMOTE_CODE
 from .surgery import delta_tensors

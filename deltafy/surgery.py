@@ -12,7 +12,7 @@ from .architectures import layout_for, site_specs
 from .errors import DeltafyError
 from .fused import enable_where_available
 from .modeling_deltafy import DELTAFY_FORMAT_VERSION, DeltaSite, DeltaSpec, apply_deltafy, remove_deltafy
-from .options import Recipe, load_recipe
+from .recipe import Recipe, load_recipe
 
 
 def build_spec(config, recipe: Recipe, architecture: str | None = None) -> dict:

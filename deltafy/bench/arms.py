@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import DeltafyError
-from ..options import HEAD_MODES, RANK_MAX
+from ..recipe import HEAD_MODES, RANK_MAX
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ def check(data, eval_data, resume: bool, overwrite: bool) -> None:
 
 def options_for(recipes, options) -> None:
     """The values every run takes, checked as a run's before any work (each bad one named as its flag)."""
-    from ..options import load_recipe, options_from
+    from ..options import options_from
+    from ..recipe import load_recipe
 
     base = load_recipe(recipes[0]).training.model_dump()
     options_from(
@@ -46,7 +47,7 @@ def data_fingerprints(model_dir: Path, data, eval_data, seq_len: int, text_field
     to train, validate or report on before any run starts."""
     from ..checkpoint import load_tokenizer
     from ..data import fingerprint, pack, split_held_out, token_stream
-    from ..options import TrainingDefaults
+    from ..recipe import TrainingDefaults
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:

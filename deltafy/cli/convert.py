@@ -9,7 +9,8 @@ from rich.table import Table
 
 from ..conversion.job import Plan, convert_source, plan_source
 from ..errors import DeltafyError
-from ..options import DEFAULT_RECIPE, ConvertOptions, convert_options
+from ..options import ConvertOptions, convert_options
+from ..recipe import DEFAULT_RECIPE
 from ._console import activity, console, err_console, state
 from ._options import OFF, OverwriteOpt, RecipeOpt, described, with_model_options
 

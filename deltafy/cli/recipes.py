@@ -2,7 +2,7 @@ import textwrap
 
 from rich.text import Text
 
-from ..options import DEFAULT_RECIPE, bundled_recipes, load_recipe
+from ..recipe import DEFAULT_RECIPE, bundled_recipes, load_recipe
 from ._console import console
 
 

@@ -6,7 +6,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..options import LaunchOptions, TrainingDefaults, load_recipe
+from ..options import LaunchOptions
+from ..recipe import TrainingDefaults, load_recipe
 from ._console import console, err_console, spinner_status
 from ._options import OFF, BaseOpt, OverwriteOpt, described, extra_text_paths, sentence, with_model_options
 

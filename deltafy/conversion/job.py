@@ -10,7 +10,8 @@ import torch
 
 from ..checkpoint import save
 from ..errors import DeltafyError
-from ..options import Recipe, convert_options, load_recipe
+from ..options import convert_options
+from ..recipe import Recipe, load_recipe
 from ..sources.folders import check_output_dir, output_path, refuse_overlap
 from ..sources.load import (
     ALIASES,

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..checkpoint import head_tensors
 from ..errors import DeltafyError
-from ..options import Recipe
+from ..recipe import Recipe
 from ..sources.folders import size
 from ..sources.load import NO_REMOTE_CODE, load_config, resolve_dtype, source_tokenizer
 from ..sources.provenance import local_provenance

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from ..errors import DeltafyError
-from ..options import ADAPTER_MODES, TrainOptions
+from ..options import TrainOptions
+from ..recipe import ADAPTER_MODES
 
 
 def is_main_process() -> bool:

@@ -9,14 +9,15 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError, first_line
-from ..options import ADAPTER_MODES, HEAD_MODES, Mode, TrainOptions
+from ..options import TrainOptions
+from ..recipe import ADAPTER_MODES, HEAD_MODES, Mode
 from ..sources.folders import readable
 from ..surgery import mean_betas
 
 
 def select_trainable(model, mode: Mode, options: TrainOptions):
     """Freeze what must not train; wrap in LoRA when asked. Returns (model, optimizer groups)."""
-    from ..options import Recipe
+    from ..recipe import Recipe
     from ..surgery import head_parameter_groups
 
     recipe = Recipe.model_validate(model.config.deltafy["recipe"]).model_copy(update={"training": options})

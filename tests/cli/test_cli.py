@@ -399,7 +399,7 @@ def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
 
 # -- train's flags: generated from TrainingDefaults -----------------------------------------------------
 def test_train_help_lists_every_training_option(tmp_path):
-    from deltafy.options import TrainingDefaults
+    from deltafy.recipe import TrainingDefaults
 
     proc = cli("train", "--help", cwd=tmp_path, env={"COLUMNS": "400"})  # wide: one line per option
     assert proc.returncode == 0, proc.stderr
@@ -423,7 +423,7 @@ def test_train_help_lists_every_training_option(tmp_path):
 def test_train_flags_reach_the_options(monkeypatch, tmp_path):
     import deltafy.training.job
     from deltafy.cli import main
-    from deltafy.options import load_recipe
+    from deltafy.recipe import load_recipe
 
     seen = {}
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from deltafy.errors import DeltafyError
-from deltafy.options import DEFAULT_RECIPE, Recipe, bundled_recipes, load_recipe, recipe_from_dict
+from deltafy.recipe import DEFAULT_RECIPE, Recipe, bundled_recipes, load_recipe, recipe_from_dict
 
 
 def _write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:
@@ -290,7 +290,7 @@ def test_undecodable_file_raises(tmp_path):
 
 
 def test_numbers_at_their_bounds_are_accepted():
-    from deltafy.options import RANK_MAX, SEED_MAX, TrainingDefaults
+    from deltafy.recipe import RANK_MAX, SEED_MAX, TrainingDefaults
 
     training = TrainingDefaults(seed=SEED_MAX, seq_len=2, lora_r=RANK_MAX)
     assert (training.seed, training.seq_len, training.lora_r) == (2**32 - 1, 2, RANK_MAX)

@@ -11,7 +11,7 @@ from helpers.models import DELTAFY_FREE_PREAMBLE, fixed_ids, run_deltafy_free, t
 
 import deltafy
 from deltafy.modeling_deltafy import DeltaSpec
-from deltafy.options import Recipe
+from deltafy.recipe import Recipe
 from deltafy.surgery import delta_sites
 
 RECIPE = "ddl-scalar"  # the default recipe

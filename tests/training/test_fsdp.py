@@ -17,7 +17,8 @@ from helpers.training import REPO, read_metrics, read_tensors, step_records, sub
 
 import deltafy
 from deltafy.errors import DeltafyError
-from deltafy.options import load_recipe, options_from
+from deltafy.options import options_from
+from deltafy.recipe import load_recipe
 from deltafy.training.job import run_training
 
 HEAD_LR = 0.05  # the heads move the loss within a few steps (as in test_train)
@@ -134,7 +135,7 @@ def test_fsdp_needs_a_distributed_launch(tiny, tmp_path, monkeypatch):
 
 
 def test_fsdp_is_a_flag_not_a_recipe_setting(tiny):
-    from deltafy.options import Recipe
+    from deltafy.recipe import Recipe
 
     assert opts(fsdp=True).fsdp
     with pytest.raises(Exception, match="fsdp"):

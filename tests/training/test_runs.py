@@ -21,7 +21,8 @@ from helpers.training import read_metrics, read_tensors, run_cli, shared_tokeniz
 import deltafy
 from deltafy.errors import DeltafyError
 from deltafy.files import LOCK_FILE
-from deltafy.options import load_recipe, options_from
+from deltafy.options import options_from
+from deltafy.recipe import load_recipe
 from deltafy.training.checkpoints import HEADS_FILE, TRAINER_STATE
 from deltafy.training.job import run_training
 from deltafy.training.run_folder import RunLock

@@ -33,7 +33,8 @@ import deltafy
 from deltafy.data import pack, token_stream
 from deltafy.errors import DeltafyError
 from deltafy.evaluate import evaluate_text
-from deltafy.options import TrainOptions, load_recipe, options_from
+from deltafy.options import TrainOptions, options_from
+from deltafy.recipe import load_recipe
 from deltafy.sources.folders import file_mode
 from deltafy.surgery import mean_betas
 from deltafy.training.job import run_training
