@@ -103,7 +103,7 @@ def run_bench(
     isolate = not _cuda() if isolate is None else isolate
 
     from .. import interrupts
-    from ..training.run_folder import RunLock
+    from ..sources.lock import RunLock
 
     with RunLock(out) as lock:
         if overwrite:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 from .. import interrupts
 from ..errors import DeltafyError, first_line
 from ..files import BENCH_FILE, HEADS_FILE, LOCK_FILE, RECORD_FILE, STATE_DIR, owned
+from .lock import refuse_live_run
 
 log = logging.getLogger(__name__)
 
@@ -95,58 +95,6 @@ def check_output_dir(out: Path, overwrite: bool, merge: bool = False) -> bool:
         )
     check_writable(out, replaces)
     return replaces
-
-
-def try_lock(fd: int) -> bool:
-    """Take the exclusive OS lock on the open file ``fd`` without waiting: False where another process
-    holds it. The kernel drops it with the file's last descriptor, or with the process."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        import msvcrt
-
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise DeltafyError(f"could not lock {fd}: {err.strerror}") from err
-    return True
-
-
-def lock_holder(path: Path) -> str:
-    """Who holds a run's lock file, as the run wrote it there."""
-    try:
-        holder = json.loads(path.read_text())
-        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}: {holder['command']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it has not said which yet"
-
-
-def in_use(out: Path) -> str:
-    """The message for a folder that another run holds."""
-    holder = lock_holder(out / LOCK_FILE)
-    return f"{out} is in use by another deltafy run ({holder}); wait for it to finish or choose another --out"
-
-
-def refuse_live_run(out: Path) -> None:
-    """Refuse to replace a folder that a deltafy run (a training run, a bench) holds locked: it would
-    go on writing checkpoints into a deleted folder, and its end would fail."""
-    try:
-        fd = os.open(out / LOCK_FILE, os.O_RDWR)
-    except OSError:  # no lock file: no run holds the folder
-        return
-    try:
-        free = try_lock(fd)
-    finally:
-        os.close(fd)  # (and with it the lock, where this took it)
-    if not free:
-        raise DeltafyError(in_use(out))
 
 
 def _fixed(folder: Path) -> str | None:

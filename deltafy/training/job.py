@@ -17,12 +17,12 @@ from ..errors import DeltafyError, Interrupted
 from ..files import CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import TrainOptions
 from ..sources.folders import output_path
+from ..sources.lock import RunLock
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
 from .result import TrainResult, finish, finished_result
 from .run_folder import (
-    RunLock,
     clear_run_state,
     compare_records,
     guard_out,

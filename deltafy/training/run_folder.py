@@ -1,21 +1,18 @@
-"""A training run's hold on ``--out``: the guard on the folder, its lock, and the signals that stop
-a run at a step it can resume from (the checkpoints themselves: deltafy.training.checkpoints)."""
+"""A training run's ``--out``: the guard on the folder, what ``--overwrite`` clears, ``metrics.jsonl``
+and the run record a ``--resume`` is checked against (the checkpoints themselves:
+deltafy.training.checkpoints; the run's lock on the folder: deltafy.sources.lock)."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
 import shutil
-import socket
-import sys
 from pathlib import Path
 
 from ..errors import DeltafyError
-from ..files import ADAPTER_DIR, LOCK_FILE, METRICS_FILE, RECORD_FILE, STAGING_DIR
+from ..files import ADAPTER_DIR, METRICS_FILE, RECORD_FILE, STAGING_DIR
 from ..options import TrainOptions
-from ..sources.folders import in_use, try_lock
 
 # -- the --out folder --------------------------------------------------------------------------
 
@@ -78,66 +75,6 @@ def remove_leftovers(out: Path, state_dir: Path, notice) -> None:
         notice(f"removed {staging}, a checkpoint half-written by an interrupted run")
     shutil.rmtree(staging, ignore_errors=True)
     clear_leftovers(out)
-
-
-class RunLock:
-    """An OS lock on ``OUT/.deltafy-lock`` for the whole run: a second run on the same ``--out`` is
-    refused, and a crash or kill releases it (the kernel drops the lock with the process)."""
-
-    def __init__(self, out: str | Path):
-        self.out = Path(out)
-        self.path = self.out / LOCK_FILE
-        self.fd = None
-        self.created_out = False
-
-    def __enter__(self) -> RunLock:
-        self.created_out = not self.out.exists()
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DeltafyError(f"could not create --out {self.out}: {err.strerror or err}") from err
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            if not try_lock(fd):
-                message = in_use(self.out)
-                os.close(fd)
-                self._cleanup_out()
-                raise DeltafyError(message)
-            # A run that finished unlinks the file; the lock we got may be on that unlinked inode.
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        self.fd = fd
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(["deltafy", *sys.argv[1:]]),
-        }
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps(holder) + "\n").encode())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # before the unlock: a waiting run then retries on a new file
-        os.close(self.fd)
-        self.fd = None
-        self._cleanup_out()
-
-    def _cleanup_out(self) -> None:
-        """A run that failed or was interrupted before it trained a step leaves no --out behind (it held
-        only the lock and the run's record: nothing to resume from)."""
-        if not (self.created_out and self.out.is_dir()):
-            return
-        kept = [p for p in self.out.rglob("*") if p.is_file() and p.name not in (LOCK_FILE, RECORD_FILE)]
-        if not kept:
-            shutil.rmtree(self.out, ignore_errors=True)
 
 
 # -- metrics.jsonl -------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from deltafy.errors import DeltafyError
 from deltafy.files import LOCK_FILE
 from deltafy.options import options_from
 from deltafy.recipe import load_recipe
+from deltafy.sources.lock import RunLock
 from deltafy.training.checkpoints import HEADS_FILE, TRAINER_STATE
 from deltafy.training.job import run_training
-from deltafy.training.run_folder import RunLock
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("token_cache")]
@@ -166,7 +166,7 @@ def test_a_lock_of_a_killed_run_is_free(tiny, tmp_path):
         [
             sys.executable,
             "-c",
-            f"from deltafy.training.run_folder import RunLock; RunLock({str(out)!r}).__enter__(); input()",
+            f"from deltafy.sources.lock import RunLock; RunLock({str(out)!r}).__enter__(); input()",
         ],
         stdin=subprocess.PIPE,
         env=subprocess_env(),
