@@ -655,6 +655,38 @@ def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
     assert sum(1 for _ in deltafy.surgery.delta_sites(reloaded)) == 4
 
 
+def test_the_convert_and_load_examples_run_as_their_docstrings_say(tiny, tmp_path):
+    # examples/convert_in_python.py converts, checks and saves with deltafy; load_with_transformers.py
+    # then generates from the folder where deltafy cannot be imported
+    out = tmp_path / "converted"
+
+    def example(name: str, *args, without_deltafy: bool = False) -> str:
+        path = REPO / "examples" / name
+        block = "sys.modules['deltafy'] = None; " * without_deltafy
+        runner = (
+            f"import sys; {block}import runpy; sys.argv = {[str(path), *map(str, args)]!r}; "
+            f"runpy.run_path({str(path)!r}, run_name='__main__')"
+        )
+        proc = subprocess.run(
+            [sys.executable, *["-I"] * without_deltafy, "-c", runner],
+            cwd=tmp_path,
+            env=subprocess_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}),
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=180,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    printed = example("convert_in_python.py", tiny.stock, out)
+    assert "max |Δlogits| 0.00e+00, greedy identical: True" in printed, printed
+    assert f"saved to {out}; parameters added: " in printed
+    assert deltafy.load(out).config.deltafy["recipe"]["name"] == "ddl-scalar"
+    generated = example("load_with_transformers.py", out, "To be, or not to be", without_deltafy=True)
+    assert generated.startswith("To be, or not to be") and len(generated) > len("To be, or not to be\n"), generated
+
+
 def test_eval_every_logs_held_out_loss(tiny, tmp_path):
     out = tmp_path / "run"
     result = train(tiny, out, steps=4, eval_every=2)
