@@ -112,13 +112,16 @@ def _front_matter(spec: dict, provenance: dict, training: dict | None, model_nam
     return data
 
 
-def _loading(config: dict, spec: dict, provenance: dict, repo_id: str | None) -> list[str]:
+def _loading(config: dict, spec: dict, provenance: dict, repo_id: str | None, adapter: str | None) -> list[str]:
     where = repo_id or "OWNER/NAME"
     note = "" if repo_id else "  # this repository's id, or the path of the folder"
+    # a LoRA kept apart is part of the model trained: without it the heads alone load, not what was measured
+    kept = f'model.load_adapter(repo, adapter_kwargs={{"subfolder": "{adapter}"}})  # its LoRA; needs peft'
+    needs = "`torch`, `transformers` and (for its LoRA adapter) `peft`" if adapter else "`torch` and `transformers`"
     lines = [
         "## How to load it",
         "",
-        "It needs only `torch` and `transformers`: the folder carries its own modeling file (plain PyTorch), "
+        f"It needs only {needs}: the folder carries its own modeling file (plain PyTorch), "
         "which `trust_remote_code=True` lets transformers run.",
         "",
         "```python",
@@ -126,10 +129,17 @@ def _loading(config: dict, spec: dict, provenance: dict, repo_id: str | None) ->
         "",
         f'repo = "{where}"{note}',
         "model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)",
+        *[kept] * bool(adapter),
         "tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)",
         "```",
         "",
     ]
+    if adapter:
+        lines += [
+            f"The LoRA adapter trained with the heads is kept apart in `{adapter}/`, the base weights untouched: "
+            "without it the model is the heads alone, not the model the held-out loss below was measured on.",
+            "",
+        ]
     if "AutoModel" in config.get("auto_map", {}):
         lines += ["`AutoModel` gives the bare DDL model (hidden states, no language-model head) the same way.", ""]
     base = spec.get("base")
@@ -243,7 +253,7 @@ def model_card(
         "every residual write `x + h` became a Deep Delta Learning write "
         "`x + h + β(v − kᵀx)k` (Zhang et al., *Deep Delta Learning*, arXiv 2601.00417).",
         "",
-        *_loading(config, spec, provenance, repo_id),
+        *_loading(config, spec, provenance, repo_id, (training or {}).get("adapter")),
         *_conversion(spec),
         *(_equivalence(check) if check else []),
         *(_training(public(training), figures) if training else []),

@@ -19,7 +19,7 @@ import torch
 from . import modeling_deltafy
 from .card import model_card, public
 from .errors import DeltafyError, first_line
-from .files import CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
+from .files import ADAPTER_DIR, CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
 from .placement import AUTO, auto_device_map, usable_device
 from .quiet import quiet_transformers
@@ -89,6 +89,11 @@ def save(
     spec = getattr(model.config, "deltafy", None)
     if spec is None:
         raise DeltafyError("this model is not converted; call deltafy.convert(model) first")
+    if getattr(model, "_hf_peft_config_loaded", False):  # save_pretrained would write the adapter alone
+        raise DeltafyError(
+            "this model carries a LoRA adapter beside its weights (load_adapter, or deltafy.load of a run that "
+            "kept one); load it with adapter=False to save the model without it"
+        )
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):  # (once failed after the weights)
         raise DeltafyError(
             f"tokenizer= takes a loaded tokenizer, AutoTokenizer.from_pretrained(...), not {tokenizer!r}"
@@ -327,12 +332,16 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     base: str | Path | None = None,
+    adapter: bool = True,
     **kwargs,
 ):
     """Load a deltafy checkpoint with deltafy's own classes (no code from the folder is executed).
 
     A heads-only checkpoint loads its base model first (``base``: from there instead of where the
-    checkpoint says; a local base is checked against the hashes the checkpoint recorded).
+    checkpoint says; a local base is checked against the hashes the checkpoint recorded). A LoRA
+    adapter a run kept apart (``lora-adapter/``) is part of the model it trained, and is loaded
+    into it (transformers' ``load_adapter``); ``adapter=False`` leaves it out. A model that carries
+    one is not saved again (``save`` refuses it).
     """
     if device is not None:  # before the load: a typo or a missing GPU is the caller's to fix, as --device's
         try:
@@ -395,6 +404,13 @@ def load(
         )
     if device is not None:
         model.to(device)
+    kept = folder / ADAPTER_DIR
+    if adapter and (kept / "adapter_config.json").is_file():
+        try:
+            with quiet_transformers():
+                model.load_adapter(str(kept))
+        except Exception as err:
+            raise DeltafyError(f"could not load the LoRA adapter kept in {kept}: {first_line(err)}") from err
     enable_where_available(model)
     return model.eval()
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import interrupts
 from ..errors import DeltafyError, Interrupted
-from ..files import CONFIG_FILE, METRICS_FILE, STATE_DIR
+from ..files import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import TrainOptions
 from ..sources.folders import output_path
 from ..sources.lock import RunLock
@@ -182,12 +182,18 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
         if overwrite and not resume:
             clear_run_state(out, state_dir, out / METRICS_FILE)
         write_record(state_dir, record)
+    if main and (Path(model_dir).expanduser() / ADAPTER_DIR).is_dir():
+        notice(
+            f"{model_dir} keeps a LoRA adapter apart ({ADAPTER_DIR}/), which this run leaves out: it trains the model "
+            f"without it; to train that run further, rerun it with --resume and a larger --steps"
+        )
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
     run = _Run(model_dir, out, options, data, eval_data, heads_only, base, main, state_dir, steps, tokens_per_step,
                checkpoint, finished, tokenizer)  # fmt: skip
 
     status(f"loading {model_dir}")
-    run.model = load(model_dir, dtype=torch.float32, base=base)  # base: a heads-only input's base, if it moved
+    # base: a heads-only input's base, if it moved; a LoRA the input kept apart is not trained on (said above)
+    run.model = load(model_dir, dtype=torch.float32, base=base, adapter=False)
     run.sharding = fsdp_arguments(run.model, options)  # before LoRA wraps it: it reads the decoder layers' class
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)

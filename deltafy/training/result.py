@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import DeltafyError
 from ..files import ADAPTER_DIR, METRICS_FILE
 from ..options import LaunchOptions
+from ..recipe import ADAPTER_MODES
 from .checkpoints import newest_complete, write_failure
 from .plots import factor_label, write_training_figures
 from .run_folder import append_metrics, read_metrics, run_summary
@@ -102,6 +103,8 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         "loss_before": run.before,
         "loss_after": result.loss_after,
     }
+    if not options.merge_lora and options.train in ADAPTER_MODES:
+        training["adapter"] = ADAPTER_DIR  # part of the model trained: the card loads it
     try:
         model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
         # The saved recipe's training section is this run's settings: eval, inspect and a next run

@@ -144,8 +144,20 @@ def unwrap_lora(model, merge: bool, adapter_dir: Path | None = None):
         return model.merge_and_unload()
     if adapter_dir is not None:
         model.save_pretrained(adapter_dir)
+        _without_local_paths(adapter_dir)
         readable(adapter_dir)
     return model.unload()
+
+
+def _without_local_paths(adapter_dir: Path) -> None:
+    """peft writes where the model came from (a path on this machine) into the adapter's config, and a
+    template card naming it: the checkpoint's own card describes the adapter, and no file of a folder
+    that may be pushed names a place on this machine (the adapter's base is the model beside it)."""
+    import json
+
+    (adapter_dir / "README.md").unlink(missing_ok=True)
+    config = adapter_dir / "adapter_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"base_model_name_or_path": None}, indent=2) + "\n")
 
 
 BETA_BLOCKS = 4  # the held-out blocks a run's mean betas are measured on

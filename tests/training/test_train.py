@@ -347,10 +347,32 @@ def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     config = (out / "config.json").stat().st_mode & 0o777
     assert {p.stat().st_mode & 0o777 for p in weights} == {file_mode()} == {config}
 
-    # base + adapter is the trained model: its held-out loss is the one the run reported.
-    model = PeftModel.from_pretrained(deltafy.load(out), str(adapter)).eval()
-    loss = evaluate_text(model, tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
-    assert loss == pytest.approx(result.loss_after, abs=1e-5)
+    # base + adapter is the trained model: its held-out loss is the one the run reported, loaded by deltafy
+    # (as eval and inspect load it; they once left the adapter out) or with peft
+    for model in (deltafy.load(out), PeftModel.from_pretrained(deltafy.load(out, adapter=False), str(adapter))):
+        loss = evaluate_text(model.eval(), tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+        assert loss == pytest.approx(result.loss_after, abs=1e-5)
+    without = evaluate_text(deltafy.load(out, adapter=False), tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert abs(without - result.loss_after) > 1e-4  # (the adapter is part of what was measured)
+    # the card loads it; no file of the adapter names this machine's paths (peft wrote the model's path twice)
+    card = (out / "README.md").read_text()
+    assert 'model.load_adapter(repo, adapter_kwargs={"subfolder": "lora-adapter"})' in card
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # a model carrying it is not saved again as if it were whole (save_pretrained would write the adapter alone)
+    with pytest.raises(DeltafyError, match="carries a LoRA adapter beside its weights.*adapter=False"):
+        deltafy.save(deltafy.load(out), tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    # training on from the folder leaves the adapter out, and says so
+    notices = []
+    run_training(
+        str(out), [str(tiny.train_txt)], tmp_path / "next", opts(steps=1), eval_data=[str(tiny.held_txt)],
+        show_progress=False, notice=notices.append,
+    )  # fmt: skip
+    assert notices == [
+        f"{out} keeps a LoRA adapter apart (lora-adapter/), which this run leaves out: it trains the model without "
+        f"it; to train that run further, rerun it with --resume and a larger --steps"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["lora", "base", "all"])
