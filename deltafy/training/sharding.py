@@ -91,7 +91,7 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], base=None
     from .trainable import select_trainable
 
     _leave_zero3()
-    model = load(model_dir, dtype=torch.float32, base=base)
+    model = load(model_dir, dtype=torch.float32, base=base, adapter=False)  # (as the run loaded it)
     model, _ = select_trainable(model, options.train, options)
     params = dict(model.named_parameters())
     missing = sorted(set(trained) - set(params))
