@@ -21,7 +21,7 @@ from ..sources.lock import RunLock
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
-from .result import TrainResult, finish, finished_result
+from .result import TrainResult, finish, finished_result, kept_dtype
 from .run_folder import (
     clear_run_state,
     compare_records,
@@ -126,6 +126,7 @@ class _Run:
     model: object = None
     sharding: dict = field(default_factory=dict)  # TrainingArguments of an FSDP run
     groups: list = field(default_factory=list)  # the optimizer's parameter groups
+    stored: torch.dtype = torch.float32  # the dtype the output is written in (see kept_dtype)
     train_blocks: torch.Tensor | None = None
     eval_blocks: torch.Tensor | None = None
     trainable: int = 0
@@ -190,6 +191,7 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
     run = _Run(model_dir, out, options, data, eval_data, heads_only, base, main, state_dir, steps, tokens_per_step,
                checkpoint, finished, tokenizer)  # fmt: skip
+    run.stored = kept_dtype(config, options)
 
     status(f"loading {model_dir}")
     # base: a heads-only input's base, if it moved; a LoRA the input kept apart is not trained on (said above)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from ..errors import DeltafyError
 from ..files import ADAPTER_DIR, METRICS_FILE
@@ -51,6 +54,16 @@ def finished_result(out: Path, steps: int) -> TrainResult:
     )
 
 
+def kept_dtype(config: dict, options) -> torch.dtype:
+    """The dtype a run writes its model in: the input's (a bf16 model stays bf16, its frozen weights exactly
+    as they were), unless the run changed pretrained weights (a merged adapter, ln-tuning, base, all), whose
+    steps, smaller than bf16's resolution, would round away: those are written in float32."""
+    from ..sources.load import resolve_dtype
+
+    changed = options.train in ("ln-tuning", "base", "all") or (options.train in ADAPTER_MODES and options.merge_lora)
+    return torch.float32 if changed else resolve_dtype("auto", SimpleNamespace(**config))
+
+
 def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
     """After the last step of ``run`` (the job's _Run): the trained model gathered (FSDP), evaluated,
     reported in metrics.jsonl and figures, and saved into ``--out`` with the run's settings as its
@@ -74,6 +87,10 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         trained = rebuild(run.model_dir, options, gathered, run.base) if run.main else None
     if not run.main:
         return result
+    if run.stored != torch.float32:  # the values the output holds (the heads rounded, in fp32 still)
+        with torch.no_grad():
+            for param in trained.parameters():
+                param.copy_(param.to(run.stored))
     status("held-out loss after training")
     # The model as trained (with its LoRA adapters, when it has any): what the run produced.
     result.loss_after = evaluate(trained, run.eval_blocks, options.batch_size).loss
@@ -106,7 +123,7 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
     if not options.merge_lora and options.train in ADAPTER_MODES:
         training["adapter"] = ADAPTER_DIR  # part of the model trained: the card loads it
     try:
-        model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR)
+        model = unwrap_lora(trained, options.merge_lora, out / ADAPTER_DIR).to(run.stored)
         # The saved recipe's training section is this run's settings: eval, inspect and a next run
         # read text as this run did (a held-out file too short for the default 256 tokens included).
         spec = model.config.deltafy

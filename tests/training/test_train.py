@@ -325,6 +325,35 @@ def test_heads_and_lora_merged(tiny, tmp_path):
     assert not any("lora" in name for name, _ in model.named_parameters())
 
 
+def test_a_bf16_model_is_written_in_bf16_unless_pretrained_weights_trained(tiny, tmp_path):
+    # a bf16 input was written back in float32: twice its size on disk and when served, for heads of a few KB
+    from deltafy.conversion.job import convert_source
+
+    delta = tmp_path / "delta-bf16"
+    convert_source(str(tiny.stock), delta, dtype="bfloat16")
+    before = read_tensors(delta)
+    heads_run = run_training(
+        str(delta), [str(tiny.train_txt)], tmp_path / "heads", opts(steps=2), eval_data=[str(tiny.held_txt)],
+        show_progress=False,
+    )  # fmt: skip
+    after = read_tensors(tmp_path / "heads")
+    assert json.loads((tmp_path / "heads" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    changed = changed_keys(before, after)
+    assert changed and all(is_head(k) for k in changed)  # the frozen weights exactly as they were
+    # the loss reported is the written model's (its heads rounded to bf16), computed in fp32 as training does
+    model = deltafy.load(tmp_path / "heads", dtype=torch.float32)
+    loss = evaluate_text(model, tiny.tokenizer, [str(tiny.held_txt)], seq_len=64).loss
+    assert loss == pytest.approx(heads_run.loss_after, abs=1e-6)
+    # a merged LoRA changed pretrained weights by steps bf16 would round away: float32
+    run_training(
+        str(delta), [str(tiny.train_txt)], tmp_path / "lora", opts(steps=2, train="heads+lora"),
+        eval_data=[str(tiny.held_txt)], show_progress=False,
+    )  # fmt: skip
+    assert json.loads((tmp_path / "lora" / "config.json").read_text())["dtype"] == "float32"
+    assert {t.dtype for t in read_tensors(tmp_path / "lora").values()} == {torch.float32}
+
+
 def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     from peft import PeftModel
 
