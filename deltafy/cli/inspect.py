@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..checkpoint import load, load_tokenizer
 from ..conversion.verify import PROMPTS, make_inputs
+from ..files import ADAPTER_DIR
 from ..options import EvalOptions
 from ..surgery import mean_betas
 from ._console import console
@@ -132,6 +133,7 @@ def inspect_command(
         {site: betas.get(f"{spec['layers']}.{i}.delta.{site}", float("nan")) for site in sites} for i in range(layers)
     ]
     name = model_dir.expanduser().resolve().name
+    adapter = ADAPTER_DIR if getattr(model, "_hf_peft_config_loaded", False) else None  # (load loaded it)
     if plot is not None:
         plot_betas({site: [row[site] for row in per_layer] for site in sites}, plot, name, label, text)
     if json_out:
@@ -143,6 +145,7 @@ def inspect_command(
             "recipe": spec["recipe"]["name"],
             "direction": spec["direction"],
             "channels": spec.get("channels", 1),
+            "adapter": adapter,
             "sites": sites,
             "measured_on": {"data": list(data), "tokens": tokens} if data else measured_on,
             "layers": [
@@ -158,6 +161,7 @@ def inspect_command(
             f"{spec['base_model_type']} ({spec['base_architecture']}), {spec['layout']}, "
             f"recipe {spec['recipe']['name']}, direction {spec['direction']}"
             + (f", expanded state of {spec['channels']} channels" if spec.get("channels", 1) > 1 else "")
+            + (f", with the LoRA adapter it kept in {adapter}/" if adapter else "")
         )
     )
     why = ": the checkpoint has no tokenizer to read the built-in prompts with" if tokenizer is None else ""

@@ -388,6 +388,8 @@ def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     assert 'model.load_adapter(repo, adapter_kwargs={"subfolder": "lora-adapter"})' in card
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    shown = run_cli("inspect", out, cwd=tmp_path)
+    assert shown.returncode == 0 and "with the LoRA adapter it kept in lora-adapter/" in shown.stdout, shown.stderr
     # a model carrying it is not saved again as if it were whole (save_pretrained would write the adapter alone)
     with pytest.raises(DeltafyError, match="carries a LoRA adapter beside its weights.*adapter=False"):
         deltafy.save(deltafy.load(out), tmp_path / "again")
