@@ -97,7 +97,7 @@ def _decode(source: str, raw: bytes) -> str:
         if (kind := Path(source).suffix.lower()) in (".gz", ".bz2", ".xz", ".zst", ".zip"):
             raise DeltafyError(f"{source} is compressed ({kind}); decompress it first and pass the file inside")
         raise DeltafyError(
-            f"{source} looks binary; pass UTF-8 text (.txt, .md), records (.jsonl, .json, .csv, .parquet)"
+            f"{source} looks binary; pass UTF-8 text (.txt, .md) or records (.jsonl, .json, .csv, .parquet)"
         )
     try:
         return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
