@@ -674,25 +674,33 @@ def test_torchrun_two_processes(tiny, tmp_path):
 # -- the plain-transformers example ------------------------------------------------------------
 
 
-def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
-    out = tmp_path / "continued"
-    example = REPO / "examples" / "continue_pretraining.py"
-    args = [str(tiny.delta), str(tiny.train_txt), str(out), "--steps", "3", "--seq-len", "64"]
+def run_example(example: Path, args: list, cwd: Path, without_deltafy: bool = False) -> str:
+    """What ``python EXAMPLE ARGS`` prints, run as its docstring says (``without_deltafy``: where deltafy
+    cannot be imported, as for someone with only torch and transformers)."""
+    block = "sys.modules['deltafy'] = None; " * without_deltafy
     runner = (
-        "import sys; sys.modules['deltafy'] = None; import runpy; "
-        f"sys.argv = {[str(example), *args]!r}; runpy.run_path({str(example)!r}, run_name='__main__')"
+        f"import sys; {block}import runpy; sys.argv = {[str(example), *map(str, args)]!r}; "
+        f"runpy.run_path({str(example)!r}, run_name='__main__')"
     )
     proc = subprocess.run(
-        [sys.executable, "-I", "-c", runner],
-        cwd=tmp_path,
-        env=subprocess_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}),
+        [sys.executable, *["-I"] * without_deltafy, "-c", runner],
+        cwd=cwd,
+        env=subprocess_env({"HF_MODULES_CACHE": str(cwd / "hf-modules")}),
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "To be, or not to be" in proc.stdout  # the prompt, continued by the reloaded model
+    return proc.stdout
+
+
+def test_continue_pretraining_example_runs_without_deltafy(tiny, tmp_path):
+    out = tmp_path / "continued"
+    example = REPO / "examples" / "continue_pretraining.py"
+    args = [tiny.delta, tiny.train_txt, out, "--steps", "3", "--seq-len", "64"]
+    printed = run_example(example, args, tmp_path, without_deltafy=True)
+    assert "To be, or not to be" in printed  # the prompt, continued by the reloaded model
     imported = {
         alias.name if isinstance(node, ast.Import) else node.module
         for node in ast.walk(ast.parse(example.read_text()))
@@ -712,31 +720,12 @@ def test_the_convert_and_load_examples_run_as_their_docstrings_say(tiny, tmp_pat
     # examples/convert_in_python.py converts, checks and saves with deltafy; load_with_transformers.py
     # then generates from the folder where deltafy cannot be imported
     out = tmp_path / "converted"
-
-    def example(name: str, *args, without_deltafy: bool = False) -> str:
-        path = REPO / "examples" / name
-        block = "sys.modules['deltafy'] = None; " * without_deltafy
-        runner = (
-            f"import sys; {block}import runpy; sys.argv = {[str(path), *map(str, args)]!r}; "
-            f"runpy.run_path({str(path)!r}, run_name='__main__')"
-        )
-        proc = subprocess.run(
-            [sys.executable, *["-I"] * without_deltafy, "-c", runner],
-            cwd=tmp_path,
-            env=subprocess_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}),
-            capture_output=True,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            timeout=180,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout
-
-    printed = example("convert_in_python.py", tiny.stock, out)
+    printed = run_example(REPO / "examples" / "convert_in_python.py", [tiny.stock, out], tmp_path)
     assert "max |Δlogits| 0.00e+00, greedy identical: True" in printed, printed
     assert f"saved to {out}; parameters added: " in printed
     assert deltafy.load(out).config.deltafy["recipe"]["name"] == "ddl-scalar"
-    generated = example("load_with_transformers.py", out, "To be, or not to be", without_deltafy=True)
+    example = REPO / "examples" / "load_with_transformers.py"
+    generated = run_example(example, [out, "To be, or not to be"], tmp_path, without_deltafy=True)
     assert generated.startswith("To be, or not to be") and len(generated) > len("To be, or not to be\n"), generated
 
 
