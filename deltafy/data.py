@@ -156,13 +156,17 @@ def _json_documents(source: str, text: str, text_field: str) -> Iterator[str]:
 def _table_documents(source: str, text: str, text_field: str, delimiter: str) -> Iterator[str]:
     csv.field_size_limit(max(csv.field_size_limit(), sys.maxsize >> 32))  # a document is longer than 128 KiB
     rows = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
-    if text_field not in (rows.fieldnames or ()):
-        columns = ", ".join(rows.fieldnames or ()) or "none"
-        raise DeltafyError(f"{source} has no column {text_field!r} (set --text-field); its columns: {columns}")
+    _need_column(source, text_field, rows.fieldnames or [])
     try:
         yield from (row[text_field] for row in rows if row[text_field])
     except csv.Error as err:
         raise DeltafyError(f"{source}:{rows.line_num} is not valid CSV ({err})") from err
+
+
+def _need_column(source: str, text_field: str, columns: list[str]) -> None:
+    if text_field not in columns:
+        named = ", ".join(columns) or "none"
+        raise DeltafyError(f"{source} has no column {text_field!r} (set --text-field); its columns: {named}")
 
 
 def _parquet_documents(source: str, raw: bytes, text_field: str) -> Iterator[str]:
@@ -170,11 +174,7 @@ def _parquet_documents(source: str, raw: bytes, text_field: str) -> Iterator[str
 
     try:
         table = pq.ParquetFile(io.BytesIO(raw))
-        names = table.schema_arrow.names
-        if text_field not in names:
-            raise DeltafyError(
-                f"{source} has no column {text_field!r} (set --text-field); its columns: {', '.join(names)}"
-            )
+        _need_column(source, text_field, table.schema_arrow.names)
         column = table.read(columns=[text_field]).column(0)
     except DeltafyError:
         raise
@@ -233,8 +233,7 @@ _load_hub_dataset = functools.lru_cache(maxsize=4)(_load_dataset)
 
 def _dataset_documents(source: str, text_field: str) -> Iterator[str]:
     data = _load_dataset(source) if Path(source).is_dir() else _load_hub_dataset(source)
-    if text_field not in data.column_names:
-        raise DeltafyError(f"dataset {source} has no column {text_field!r}; columns: {', '.join(data.column_names)}")
+    _need_column(f"dataset {source}", text_field, data.column_names)
     for text in data[text_field]:
         if isinstance(text, str):
             yield text

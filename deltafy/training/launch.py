@@ -60,16 +60,22 @@ def read_by(model_dir: str, data: list[str], eval_data: list[str] | None, base=N
     return reads, [("the base model", base if base.is_absolute() else Path(model_dir).expanduser() / base)]
 
 
+def changes_base_weights(options: TrainOptions) -> bool:
+    """Whether the run's output has other pretrained weights than its input: it trains them in place
+    (ln-tuning, base, all), or merges an adapter into them."""
+    return options.train in ("ln-tuning", "base", "all") or (options.train in ADAPTER_MODES and options.merge_lora)
+
+
 def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:
     """A heads-only save stores nothing of the base, so the base must stay exactly as it was."""
-    if options.train in ("ln-tuning", "base", "all"):
+    if changes_base_weights(options):
+        if options.train in ADAPTER_MODES:
+            raise DeltafyError(
+                f"--heads-only cannot save train: {options.train} with its adapter merged into the base weights; "
+                f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"
+            )
         raise DeltafyError(
             f"--heads-only cannot save train: {options.train}, which changes the base weights; drop --heads-only"
-        )
-    if options.train in ADAPTER_MODES and options.merge_lora:
-        raise DeltafyError(
-            f"--heads-only cannot save train: {options.train} with its adapter merged into the base weights; "
-            f"pass --keep-adapter to save the adapter beside the heads, or drop --heads-only"
         )
     if "base" not in config["deltafy"]:
         raise DeltafyError(

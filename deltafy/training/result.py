@@ -15,6 +15,7 @@ from ..files import ADAPTER_DIR, METRICS_FILE
 from ..options import LaunchOptions
 from ..recipe import ADAPTER_MODES
 from .checkpoints import newest_complete, write_failure
+from .launch import changes_base_weights
 from .plots import factor_label, write_training_figures
 from .run_folder import append_metrics, read_metrics, run_summary
 from .sharding import gather_trained, is_sharded, rebuild
@@ -60,8 +61,7 @@ def kept_dtype(config: dict, options) -> torch.dtype:
     steps, smaller than bf16's resolution, would round away: those are written in float32."""
     from ..sources.load import resolve_dtype
 
-    changed = options.train in ("ln-tuning", "base", "all") or (options.train in ADAPTER_MODES and options.merge_lora)
-    return torch.float32 if changed else resolve_dtype("auto", SimpleNamespace(**config))
+    return torch.float32 if changes_base_weights(options) else resolve_dtype("auto", SimpleNamespace(**config))
 
 
 def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
