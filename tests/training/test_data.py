@@ -468,6 +468,11 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path, tok):
     one_line_error(
         lambda: token_stream([str(tmp_path / "numbers.parquet")], tok), "column 'text' holds int64, not text"
     )
+    _save_dataset(tmp_path / "ds", ["a text"])
+    one_line_error(
+        lambda: token_stream([str(tmp_path / "ds")], tok, text_field="body"),
+        f"dataset {tmp_path / 'ds'} has no column 'body' (set --text-field); its columns: text",
+    )
     one_line_error(lambda: token_stream([str(tmp_path / "missing.txt")], tok), "data not found")
     (tmp_path / "empty-folder").mkdir()
     one_line_error(lambda: token_stream([str(tmp_path / "empty-folder")], tok), "holds no text files")
