@@ -404,8 +404,8 @@ def load(
         )
     if device is not None:
         model.to(device)
-    kept = folder / ADAPTER_DIR
-    if adapter and (kept / "adapter_config.json").is_file():
+    kept = kept_adapter(folder)
+    if adapter and kept is not None:
         try:
             with quiet_transformers():
                 model.load_adapter(str(kept))
@@ -413,6 +413,12 @@ def load(
             raise DeltafyError(f"could not load the LoRA adapter kept in {kept}: {first_line(err)}") from err
     enable_where_available(model)
     return model.eval()
+
+
+def kept_adapter(folder: str | Path) -> Path | None:
+    """The LoRA adapter a training run kept apart in ``folder`` (--keep-adapter), if it holds one."""
+    kept = Path(folder).expanduser() / ADAPTER_DIR
+    return kept if (kept / "adapter_config.json").is_file() else None
 
 
 def load_tokenizer(path: str | Path):

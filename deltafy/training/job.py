@@ -136,7 +136,7 @@ class _Run:
 def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite, status, notice, heads_only, base):
     """Before the first step: the run's folder made ready (leftovers cleared, a resume checked against
     its record), the model loaded with what trains selected, the text tokenized, the loss before."""
-    from ..checkpoint import load, load_tokenizer
+    from ..checkpoint import kept_adapter, load, load_tokenizer
     from ..data import fingerprint, pack, split_held_out, token_stream
     from ..evaluate import evaluate
 
@@ -183,7 +183,7 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
         if overwrite and not resume:
             clear_run_state(out, state_dir, out / METRICS_FILE)
         write_record(state_dir, record)
-    if main and (Path(model_dir).expanduser() / ADAPTER_DIR).is_dir():
+    if main and kept_adapter(model_dir) is not None:
         notice(
             f"{model_dir} keeps a LoRA adapter apart ({ADAPTER_DIR}/), which this run leaves out: it trains the model "
             f"without it; to train that run further, rerun it with --resume and a larger --steps"
