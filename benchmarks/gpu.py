@@ -28,7 +28,10 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
   train step        heads-only (only the DDL heads require grad, deltafy.head_parameter_groups) against
                     full fine-tuning and against LoRA r=8 (peft, target_modules="all-linear", on the
                     original), 8 x 1024 [2 x 64] tokens a step, AdamW, no gradient checkpointing: forward
-                    with the loss, backward, optimizer step, zero_grad, median ms of the timed steps.
+                    with the loss, backward, optimizer step, zero_grad, median ms of the timed steps. As
+                    `deltafy train` holds them: the heads and LoRA's adapters in fp32 on the frozen base
+                    (bf16), the step under bf16 autocast; full fine-tuning trains the bf16 weights as they
+                    are (its cheapest form: no fp32 master copy).
   train memory      peak of a step: the variant's own weights, buffers and optimizer state plus the step's
                     peak allocation above what was allocated when it began (so the other variants that
                     are resident do not count), GiB; CUDA only.
@@ -124,20 +127,15 @@ def make_fused(converted, device: str, force: bool):
 
 # -- the training arms ---------------------------------------------------------------------------
 def heads_only(model):
+    """The optimizer of a heads-only run, the heads in fp32 as `deltafy train` holds them."""
     for p in model.parameters():
         p.requires_grad_(False)
     groups = [{k: v for k, v in g.items() if k != "name"} for g in deltafy.head_parameter_groups(model)]
     for group in groups:
         for p in group["params"]:
+            p.data = p.data.float()
             p.requires_grad_(True)
     return torch.optim.AdamW(groups)
-
-
-def frozen(model):
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.zero_grad(set_to_none=True)
-    return model.eval()
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -244,14 +242,11 @@ class ModelRun:
             lora = get_peft_model(copy.deepcopy(self.models["original"]), lora_config).train()
             arms["lora"] = (lora, torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4))
             for variant in ("reference", "fused"):
-                if variant in self.models:
-                    model = self.models[variant].train()
+                if variant in self.models:  # (a copy: the rows after this one measure the heads as they were)
+                    model = copy.deepcopy(self.models[variant]).train()
                     arms[variant] = (model, heads_only(model))
             results = self.bench.train(arms)
         finally:
-            for variant in ("reference", "fused"):
-                if variant in self.models:
-                    frozen(self.models[variant])
             arms.clear()
             if self.bench.cuda:
                 torch.cuda.empty_cache()

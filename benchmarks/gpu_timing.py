@@ -202,7 +202,9 @@ class Bench:
                     before = torch.cuda.memory_allocated()
                 start = time.perf_counter()
                 try:
-                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    with torch.autocast(self.device, torch.bfloat16, enabled=self.args.dtype == torch.bfloat16):
+                        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
                     opt.step()
                     self.sync()
                 except CellTimeout:

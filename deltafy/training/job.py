@@ -21,7 +21,7 @@ from ..sources.lock import RunLock
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
 from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
 from .monitor import Stop, monitor, to_stderr
-from .result import TrainResult, finish, finished_result, kept_dtype
+from .result import TrainResult, computes_in_bf16, finish, finished_result, held_dtype, kept_dtype
 from .run_folder import (
     clear_run_state,
     compare_records,
@@ -127,6 +127,7 @@ class _Run:
     sharding: dict = field(default_factory=dict)  # TrainingArguments of an FSDP run
     groups: list = field(default_factory=list)  # the optimizer's parameter groups
     stored: torch.dtype = torch.float32  # the dtype the output is written in (see kept_dtype)
+    held: torch.dtype = torch.float32  # the dtype the model is held in while it trains (see held_dtype)
     train_blocks: torch.Tensor | None = None
     eval_blocks: torch.Tensor | None = None
     trainable: int = 0
@@ -191,11 +192,11 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
     run = _Run(model_dir, out, options, data, eval_data, heads_only, base, main, state_dir, steps, tokens_per_step,
                checkpoint, finished, tokenizer)  # fmt: skip
-    run.stored = kept_dtype(config, options)
+    run.stored, run.held = kept_dtype(config, options), held_dtype(config, options)
 
     status(f"loading {model_dir}")
     # base: a heads-only input's base, if it moved; a LoRA the input kept apart is not trained on (said above)
-    run.model = load(model_dir, dtype=torch.float32, base=base, adapter=False)
+    run.model = load(model_dir, dtype=run.held, base=base, adapter=False)
     run.sharding = fsdp_arguments(run.model, options)  # before LoRA wraps it: it reads the decoder layers' class
     status("tokenizing")
     blocks = pack(token_stream(data, tokenizer, options.text_field), options.seq_len)
@@ -228,7 +229,6 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
 
     options, steps, state_dir = run.options, run.steps, run.state_dir
     cuda = torch.cuda.is_available()
-    bf16 = options.precision == "bf16" or (options.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
 
     args = TrainingArguments(
         output_dir=str(state_dir),
@@ -246,7 +246,7 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
         prediction_loss_only=True,
         seed=options.seed,
         data_seed=options.seed,
-        bf16=bf16,
+        bf16=computes_in_bf16(options),
         report_to=[],
         disable_tqdm=True,
         remove_unused_columns=False,

@@ -64,6 +64,24 @@ def kept_dtype(config: dict, options) -> torch.dtype:
     return torch.float32 if changes_base_weights(options) else resolve_dtype("auto", SimpleNamespace(**config))
 
 
+def computes_in_bf16(options) -> bool:
+    """Whether the run's forward and backward run under bf16 autocast: --precision bf16, or auto on a GPU
+    that supports it."""
+    if options.precision != "auto":
+        return options.precision == "bf16"
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def held_dtype(config: dict, options) -> torch.dtype:
+    """The dtype a run holds the model in while it trains; what trains is float32 whatever this is (see
+    select_trainable). A bf16 input that trains in bf16 keeps its frozen weights in bf16: autocast runs
+    its matmuls in bf16 either way, and a float32 copy would double the memory of what does not train
+    (a 7B base: 28 GB, not 14). Otherwise float32: a run that changes pretrained weights, or trains
+    in float32, computes on float32 weights (fp16's range is not trusted to a backward pass)."""
+    stored = kept_dtype(config, options)
+    return stored if stored == torch.bfloat16 and computes_in_bf16(options) else torch.float32
+
+
 def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
     """After the last step of ``run`` (the job's _Run): the trained model gathered (FSDP), evaluated,
     reported in metrics.jsonl and figures, and saved into ``--out`` with the run's settings as its
@@ -84,7 +102,7 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
         gathered = gather_trained(trainer.model)  # a collective: every rank takes part
-        trained = rebuild(run.model_dir, options, gathered, run.base) if run.main else None
+        trained = rebuild(run.model_dir, options, gathered, run.held, run.base) if run.main else None
     if not run.main:
         return result
     if run.stored != torch.float32:  # the values the output holds (the heads rounded, in fp32 still)

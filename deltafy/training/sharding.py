@@ -83,7 +83,7 @@ def _zero3_gathered(params: list[torch.Tensor]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # read-only, on every rank
 
 
-def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], base=None):
+def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], dtype: torch.dtype, base=None):
     """The model as trained, unsharded: the input loaded again (the frozen base exactly as it is
     on disk; a heads-only input's from ``base`` where it moved), wrapped like the trained one (LoRA),
     with the trained tensors put in."""
@@ -91,7 +91,7 @@ def rebuild(model_dir: str, options, trained: dict[str, torch.Tensor], base=None
     from .trainable import select_trainable
 
     _leave_zero3()
-    model = load(model_dir, dtype=torch.float32, base=base, adapter=False)  # (as the run loaded it)
+    model = load(model_dir, dtype=dtype, base=base, adapter=False)  # (as the run loaded it)
     model, _ = select_trainable(model, options.train, options)
     params = dict(model.named_parameters())
     missing = sorted(set(trained) - set(params))

@@ -40,6 +40,10 @@ def select_trainable(model, mode: Mode, options: TrainOptions):
         groups.append({"params": base, "lr": options.lora_lr, "weight_decay": options.weight_decay, "name": "base"})
     for group in groups:
         for p in group["params"]:
+            # Adam's steps on bf16 weights would round away below 1/256 of the weight: what trains is float32
+            # (a model held in bf16 keeps only its frozen weights so; the heads read them in float32)
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
             p.requires_grad_(True)
     return model, [g for g in groups if g["params"]]
 

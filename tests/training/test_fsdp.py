@@ -34,10 +34,10 @@ def opts(**overrides):
     return options_from(load_recipe().training.model_dump(), **values)  # as `deltafy train` reads tiny.delta
 
 
-def launch(launcher: list[str], tiny, out, *flags: str) -> subprocess.CompletedProcess:
-    """`deltafy train` on 2 CPU processes: 2 blocks per rank per step, 4 in all."""
+def launch(launcher: list[str], tiny, out, *flags: str, model=None) -> subprocess.CompletedProcess:
+    """`deltafy train` on 2 CPU processes: 2 blocks per rank per step, 4 in all (of tiny.delta, else ``model``)."""
     command = [
-        *launcher, "-m", "deltafy", "train", str(tiny.delta), "--data", str(tiny.train_txt),
+        *launcher, "-m", "deltafy", "train", str(model or tiny.delta), "--data", str(tiny.train_txt),
         "--eval-data", str(tiny.held_txt), "--out", str(out), "--steps", str(STEPS), "--seq-len", "64",
         "--batch-size", "2", "--save-every", "2", "--lr", str(HEAD_LR), *flags,
     ]  # fmt: skip
@@ -60,7 +60,7 @@ def single(tiny, tmp_path_factory):
     return out
 
 
-def check_sharded_run(proc, out, single, tiny) -> None:
+def check_sharded_run(proc, out, single, tiny, model=None) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("wrote ") == 1  # rank 0 alone evaluates, saves and reports
     # FSDP's own optimizer checkpoint (save_fsdp_optimizer): the run was sharded, not DDP.
@@ -78,13 +78,13 @@ def check_sharded_run(proc, out, single, tiny) -> None:
     assert weights == ["model.safetensors"] or "model.safetensors.index.json" in {p.name for p in out.iterdir()}
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "hidden leftovers in the output"
 
-    check_heads_trained_base_unchanged(out, single, tiny)
+    check_heads_trained_base_unchanged(out, single, tiny, model)
 
 
-def check_heads_trained_base_unchanged(out, single, tiny) -> tuple[list[str], dict]:
-    """The heads trained as in the one-process run; every pretrained tensor is bitwise the input's.
-    Returns the heads' names and the input's tensors."""
-    saved, start, one = read_tensors(out), read_tensors(tiny.delta), read_tensors(single)
+def check_heads_trained_base_unchanged(out, single, tiny, model=None) -> tuple[list[str], dict]:
+    """The heads trained as in the one-process run; every pretrained tensor is bitwise the input's (tiny.delta,
+    else ``model``). Returns the heads' names and the input's tensors."""
+    saved, start, one = read_tensors(out), read_tensors(model or tiny.delta), read_tensors(single)
     assert saved.keys() == start.keys()
     heads = [k for k in saved if ".delta." in k]
     assert any(not torch.equal(saved[k], start[k]) for k in heads), "the heads did not train"
@@ -112,6 +112,24 @@ def check_loads_both_ways(out) -> None:
     plain = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, plain(ids).logits)
+
+
+def test_fsdp_in_bf16_shards_a_bf16_base_with_float32_heads(tiny, tmp_path):
+    """Under bf16 a bf16 input's frozen weights stay bf16 and what trains is float32: each FSDP unit mixes
+    the two, which FSDP2 gathers (it asks only that what trains share one dtype)."""
+    from deltafy.conversion.job import convert_source
+
+    delta = tmp_path / "delta-bf16"
+    convert_source(str(tiny.stock), delta, dtype="bfloat16")
+    single = tmp_path / "single"
+    run_training(str(delta), [str(tiny.train_txt)], single, opts(precision="bf16"), [str(tiny.held_txt)], False)
+    out = tmp_path / "fsdp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = launch(torchrun, tiny, out, "--fsdp", "--precision", "bf16", model=delta)
+    check_sharded_run(proc, out, single, tiny, delta)
+    assert {t.dtype for t in read_tensors(out).values()} == {torch.bfloat16}
+    trained = read_tensors(out / "training" / "checkpoint-2")  # (the heads as the run held them)
+    assert trained and {t.dtype for t in trained.values()} == {torch.float32}
 
 
 def test_accelerate_fsdp_config_matches_one_process(tiny, tmp_path, single):

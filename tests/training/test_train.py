@@ -354,6 +354,39 @@ def test_a_bf16_model_is_written_in_bf16_unless_pretrained_weights_trained(tiny,
     assert {t.dtype for t in read_tensors(tmp_path / "lora").values()} == {torch.float32}
 
 
+def test_a_bf16_run_holds_the_frozen_base_in_bf16_and_trains_float32_heads(tiny, tmp_path):
+    # a run under bf16 autocast (a GPU's default) held a bf16 base in float32: twice the memory of what does not
+    # train (a 7B: 28 GB, not 14), to run matmuls that autocast casts back to bf16
+    from deltafy.conversion.job import convert_source
+
+    delta = tmp_path / "delta-bf16"
+    convert_source(str(tiny.stock), delta, dtype="bfloat16")
+    before = read_tensors(delta)
+    options = opts(steps=2, save_every=1, precision="bf16")
+    run = run_training(str(delta), [str(tiny.train_txt)], tmp_path / "heads", options, [str(tiny.held_txt)], False)
+
+    def held_out(model) -> float:  # measured as the run measures: its blocks, in its batches
+        return evaluate_text(model, tiny.tokenizer, [str(tiny.held_txt)], seq_len=64, batch_size=4).loss
+
+    # the loss before training is the bf16 model's (what `deltafy eval` measures), not a float32 copy's
+    assert run.loss_before == pytest.approx(held_out(deltafy.load(delta)), abs=1e-6)
+    assert abs(run.loss_before - held_out(deltafy.load(delta, dtype=torch.float32))) > 1e-5  # (they differ)
+    # the heads trained in float32 (the run's checkpoints hold them so), and were written in bf16
+    checkpoint = read_tensors(tmp_path / "heads" / "training" / "checkpoint-2")
+    assert {t.dtype for t in checkpoint.values()} == {torch.float32}
+    after = read_tensors(tmp_path / "heads")
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    changed = changed_keys(before, after)
+    assert changed and all(is_head(k) for k in changed)
+    assert run.loss_after == pytest.approx(held_out(deltafy.load(tmp_path / "heads")), abs=1e-6)
+    # a run that trains pretrained weights in place holds them in float32 (bf16 would round its steps away)
+    norms = run_training(
+        str(delta), [str(tiny.train_txt)], tmp_path / "norms", opts(steps=1, precision="bf16", train="ln-tuning"),
+        [str(tiny.held_txt)], False,
+    )  # fmt: skip
+    assert norms.loss_before == pytest.approx(held_out(deltafy.load(delta, dtype=torch.float32)), abs=1e-6)
+
+
 def test_heads_and_lora_with_the_adapter_kept(tiny, tmp_path):
     from peft import PeftModel
 
