@@ -94,7 +94,9 @@ class TrainingDefaults(BaseModel):
         0, ge=0, le=SEED_MAX, description="seed for LoRA init, the data order and the held-out split (0 to 2^32-1)"
     )
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="training precision; auto: bf16 on a GPU that supports it, else fp32"
+        "auto",
+        description="training precision (bf16: autocast, with a bf16 model's frozen weights held in bf16); auto: "
+        "bf16 on a GPU that supports it, else fp32",
     )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: less memory, more time"
