@@ -1,5 +1,5 @@
-"""The ``deltafy train`` job: the run prepared (data, trainable parameters, the loss before) and fitted
-(Trainer, callbacks); what it reports and saves at the end is result.py's."""
+"""The ``deltafy train`` job: the run prepared (data, trainable parameters) and fitted (Trainer, callbacks,
+the loss before); what it reports and saves at the end is result.py's."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def run_training(
         )
         if isinstance(run, TrainResult):  # a resumed run that had finished and written its model
             return run
-        trainer, seconds_per_step = _fit(run, show_progress, stop)
+        trainer, seconds_per_step = _fit(run, show_progress, stop, status)
         result = finish(run, trainer, seconds_per_step, status)
         leave_process_group()
         return result
@@ -107,7 +107,7 @@ def run_training(
 @dataclass
 class _Run:
     """What the three stages of a run hand on: prepared, it holds the model and its blocks; fit
-    adds the trainer; finish evaluates and saves."""
+    adds the trainer and the loss before; finish evaluates and saves."""
 
     model_dir: str
     out: Path
@@ -136,10 +136,9 @@ class _Run:
 
 def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite, status, notice, heads_only, base):
     """Before the first step: the run's folder made ready (leftovers cleared, a resume checked against
-    its record), the model loaded with what trains selected, the text tokenized, the loss before."""
+    its record), the model loaded with what trains selected, the text tokenized."""
     from ..checkpoint import kept_adapter, load, load_tokenizer
     from ..data import fingerprint, pack, split_held_out, token_stream
-    from ..evaluate import evaluate
 
     state_dir = out / STATE_DIR
     main = is_main_process()
@@ -215,17 +214,17 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
         )
     run.model, run.groups = select_trainable(run.model, options.train, options)
     run.trainable = sum(p.numel() for g in run.groups for p in g["params"])
-    status("held-out loss before training")
-    if main:
-        run.before = evaluate(run.model, run.eval_blocks, options.batch_size).loss
     return run
 
 
-def _fit(run: _Run, show_progress: bool, stop: Stop):
-    """The Trainer over the run's blocks, trained to ``run.steps`` (or loaded at a finished run's last
-    checkpoint); a non-finite loss or a signal ends it with the error that says what is kept."""
+def _fit(run: _Run, show_progress: bool, stop: Stop, status):
+    """The Trainer over the run's blocks, the held-out loss before its first step (on the device it put the
+    model on), trained to ``run.steps`` (or loaded at a finished run's last checkpoint); a non-finite loss
+    or a signal ends it with the error that says what is kept."""
     from transformers import TrainingArguments, get_scheduler
     from transformers.trainer_callback import PrinterCallback
+
+    from ..evaluate import evaluate
 
     options, steps, state_dir = run.options, run.steps, run.state_dir
     cuda = torch.cuda.is_available()
@@ -276,6 +275,9 @@ def _fit(run: _Run, show_progress: bool, stop: Stop):
         callbacks=[progress := monitor(run.out, steps, run.tokens_per_step, show_progress, stop)],
     )
     trainer.remove_callback(PrinterCallback)  # the Monitor callback reports progress instead
+    status("held-out loss before training")
+    if run.main:  # where the Trainer put the model (a GPU), not on the CPU it was loaded on; FSDP shards it later
+        run.before = evaluate(run.model, run.eval_blocks, options.batch_size).loss
     started = time.perf_counter()
     if run.finished:
         trainer._load_from_checkpoint(str(run.checkpoint))
