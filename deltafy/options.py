@@ -174,7 +174,9 @@ class EvalOptions(BaseModel):
     )
     dtype: DTypeName = Field("auto", description="precision to load the model in; auto: as the checkpoint records it")
     device: DeviceName | None = Field(
-        None, description="device to evaluate on, e.g. cuda", json_schema_extra={"shown": "cpu"}
+        None,
+        description="device to evaluate on, e.g. cuda:1",
+        json_schema_extra={"shown": "cuda if there is one, else cpu"},
     )
 
 

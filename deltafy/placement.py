@@ -35,6 +35,12 @@ def usable_device(name: str) -> str:
     return name
 
 
+def default_device() -> str | None:
+    """Where eval and inspect run a model the user names no device for: the GPU where there is one (a 7B
+    on the CPU takes minutes where the GPU takes seconds), else where it loads (None: the CPU)."""
+    return "cuda" if torch.cuda.is_available() else None
+
+
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
     """accelerate's map for ``model`` (a skeleton on the meta device) under ``strategy``, as
     transformers' from_pretrained infers it, with the DDL heads kept resident."""

@@ -36,13 +36,14 @@ def eval_command(
     from ..data import expand
     from ..errors import DeltafyError
     from ..evaluate import check_sizes, evaluate_text, load_any, run_settings
+    from ..placement import default_device
 
     options = run_settings(model, flags)
     check_sizes(options.seq_len, options.batch_size, options.max_blocks)  # before the model loads
     data = list(data) + list(ctx.args)  # `--data dir/*.txt` expands to many paths
     expand(data)  # the same: a missing file is reported before the model is read
 
-    loaded, tokenizer = load_any(model, options.dtype, options.device, base=base)
+    loaded, tokenizer = load_any(model, options.dtype, options.device or default_device(), base=base)
     if tokenizer is None:
         raise DeltafyError(f"{model} has no tokenizer; evaluation needs one to read text")
     result = evaluate_text(

@@ -40,7 +40,7 @@ def _mean_betas_on_text(model, tokenizer, data: list[str], options) -> tuple[dic
         )
     stream = token_stream(data, tokenizer, options.text_field)
     seq_len = min(options.seq_len, model_positions(model.config) or options.seq_len, stream.numel())
-    blocks = pack(stream, seq_len)[:MAX_BLOCKS]
+    blocks = pack(stream, seq_len)[:MAX_BLOCKS].to(next(model.parameters()).device)
 
     def run():
         for start in range(0, len(blocks), BATCH):
@@ -91,7 +91,8 @@ def inspect_command(
 ) -> None:
     """Show a deltafy checkpoint: recipe, sites, and the mean gate factor per layer on a few prompts or on --data.
 
-    With --data, text is read in blocks of the checkpoint's run (its recipe's seq_len), 8 blocks at most.
+    With --data, text is read in blocks of the checkpoint's run (its recipe's seq_len), 8 blocks at most. The
+    model runs in float32, on the GPU where there is one.
 
     [bold]Examples[/]
 
@@ -102,6 +103,7 @@ def inspect_command(
     from ..data import expand
     from ..errors import DeltafyError
     from ..evaluate import run_settings
+    from ..placement import default_device
     from ..training.plots import check_format, factor_label, plot_betas
 
     # Everything the user can get wrong is refused before the model loads.
@@ -113,7 +115,7 @@ def inspect_command(
             raise DeltafyError(f"{plot} is a folder; --plot takes a file name such as beta.png")
     if data:
         expand(data)
-    model = load(model_dir, dtype=torch.float32, base=base)
+    model = load(model_dir, dtype=torch.float32, base=base, device=default_device())
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     if data:
