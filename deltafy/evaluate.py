@@ -81,12 +81,26 @@ def run_settings(source: str, flags: dict | None = None):
     section, folder = None, Path(source).expanduser()
     if is_deltafy_folder(folder):
         section = dict((read_config(source)["deltafy"].get("recipe") or {}).get("training") or {})
-        # A run measured its "after" on its first max_eval_blocks held-out blocks: eval of its folder does
-        # too. A conversion's section holds the recipe's defaults, and no run: it reads every block, as the
-        # stock model does, so the two stay comparable.
+        # A run measured its "after" on its first max_eval_blocks held-out blocks, in the dtype it held the
+        # model in (a bf16 model trained in fp32 on a CPU: fp32): eval of its folder does too. A conversion's
+        # section holds the recipe's defaults, and no run: it reads every block, as the stock model does,
+        # so the two stay comparable.
         if "max_eval_blocks" in section and (folder / METRICS_FILE).is_file():
             section["max_blocks"] = section.pop("max_eval_blocks")
+            section["dtype"] = _measured_in(folder / METRICS_FILE)
     return options_from(section, EvalOptions, what="evaluation", **(flags or {}))
+
+
+def _measured_in(metrics_file: Path) -> str:
+    """The dtype a run's summary says its held-out losses were measured in ("auto" where an older run's says
+    none)."""
+    from .training.run_folder import read_metrics, run_summary
+
+    try:
+        dtype = run_summary(read_metrics(metrics_file)).get("dtype")
+    except DeltafyError:
+        return "auto"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
 def load_any(source: str, dtype: str = "auto", device: str | None = None, base: str | None = None):

@@ -172,7 +172,11 @@ class EvalOptions(BaseModel):
     text_field: str = _as_trained(
         "text_field", "field or column of the records (JSONL, JSON, CSV, Parquet, datasets) holding the text"
     )
-    dtype: DTypeName = Field("auto", description="precision to load the model in; auto: as the checkpoint records it")
+    dtype: DTypeName = Field(
+        "auto",
+        description="precision to load the model in; auto: as the checkpoint records it (a trained folder: as its "
+        "run held it, so that its held-out loss is measured again)",
+    )
     device: DeviceName | None = Field(
         None,
         description="device to evaluate on, e.g. cuda:1",

@@ -123,6 +123,7 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
             "mean_beta_per_layer": result.mean_beta_per_layer,
             "mean_beta_on": result.mean_beta_on,
             "steps": result.steps,
+            "dtype": str(run.held).removeprefix("torch."),  # the losses' (eval of the folder reads it so)
         },
     )
     status(f"writing {out}")

@@ -198,3 +198,9 @@ def test_the_reference_column_is_the_formula_where_convert_fuses(convert_fuses, 
     run = gpu.ModelRun(gpu.Bench(args, gpu.SMALL, gpu.Table()), "tiny-llama")
     sites = [m for m in run.models["reference"].modules() if type(m).__name__ == "DeltaSite"]
     assert sites and all("fused" not in vars(site) for site in sites)
+
+
+def test_the_command_line_check_passes_on_cpu():
+    stdout = _run("gpu_cli.py")
+    assert "no GPU (CPU run)" in stdout and stdout.rstrip().endswith("all checks passed")
+    assert stdout.count("\nok ") >= 12 and "FAIL" not in stdout

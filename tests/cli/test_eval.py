@@ -193,3 +193,25 @@ def test_a_trained_folder_is_read_as_its_run_read_text(tiny, tmp_path):
     # the converted model it came from was never trained: a run's default of 256 applies, and says so
     proc = run_cli("eval", tiny.delta, "--data", short, cwd=tmp_path)
     assert proc.returncode != 0 and "256" in proc.stderr
+
+
+def test_a_trained_folder_is_evaluated_in_the_dtype_its_run_held_it_in(tiny, tmp_path, capsys):
+    """A bf16 model trained on a CPU is held (and its held-out loss measured) in float32: eval of the folder
+    loads it so and gives the run's "after" again, where the checkpoint's bf16 gives another loss."""
+    from deltafy.conversion.job import convert_source
+    from deltafy.options import options_from
+    from deltafy.recipe import load_recipe
+    from deltafy.training.job import run_training
+
+    delta = tmp_path / "delta-bf16"
+    convert_source(str(tiny.stock), delta, dtype="bfloat16")
+    options = options_from(load_recipe().training.model_dump(), steps=2, seq_len=SEQ, batch_size=2, lr=0.05)
+    run = run_training(str(delta), [str(tiny.train_txt)], tmp_path / "run", options, [str(tiny.held_txt)], False)
+    capsys.readouterr()
+
+    def evaluated(*flags: str) -> float:
+        main(["eval", str(tmp_path / "run"), "--data", str(tiny.held_txt), "--json", *flags])
+        return json.loads(capsys.readouterr().out)["loss"]
+
+    assert evaluated() == pytest.approx(run.loss_after, abs=1e-6)
+    assert abs(evaluated("--dtype", "bfloat16") - run.loss_after) > 1e-5  # (bf16 arithmetic: another loss)
