@@ -94,7 +94,7 @@ def run_settings(source: str, flags: dict | None = None):
 def _measured_in(metrics_file: Path) -> str:
     """The dtype a run's summary says its held-out losses were measured in ("auto" where an older run's says
     none)."""
-    from .training.run_folder import read_metrics, run_summary
+    from .files import read_metrics, run_summary
 
     try:
         dtype = run_summary(read_metrics(metrics_file)).get("dtype")

@@ -1,10 +1,14 @@
 """The name of every file and folder deltafy writes into a checkpoint, a training run's or a bench's ``--out``,
-and which of them ``--overwrite`` may replace. Everything else in such a folder is the user's."""
+and which of them ``--overwrite`` may replace. Everything else in such a folder is the user's. And how a run's
+metrics.jsonl reads back (eval of a trained folder, bench tables and figures read its summary)."""
 
 from __future__ import annotations
 
+import json
 from fnmatch import fnmatch
+from pathlib import Path
 
+from .errors import DeltafyError
 from .modeling_deltafy import HEADS_FILE  # (a heads-only checkpoint loads it, so the shipped file names it)
 
 # -- a checkpoint folder (deltafy.save)
@@ -59,3 +63,25 @@ OWN_FILES = (
 def owned(name: str) -> bool:
     """Whether deltafy writes an entry of this name (so ``--overwrite`` may replace it)."""
     return any(fnmatch(name, pattern) for pattern in OWN_FILES)
+
+
+def read_metrics(metrics_file: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (as append_metrics wrote them)."""
+    records = []
+    try:
+        lines = Path(metrics_file).read_text().splitlines()
+    except OSError as err:
+        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run: the others still count
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def run_summary(records: list[dict]) -> dict:
+    """The last summary record (held-out loss before and after, mean beta per layer), or {}."""
+    return next((r for r in reversed(records) if r.get("event") == "summary"), {})

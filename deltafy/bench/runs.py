@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltafyError
-from ..files import METRICS_FILE
+from ..files import METRICS_FILE, read_metrics, run_summary
 from ..options import TrainOptions
 from ..training.job import NonFiniteLoss
-from ..training.run_folder import read_metrics, run_summary
 
 PEAK_RSS, PEAK_CUDA = "peak RSS", "peak CUDA memory"
 ERROR_KINDS = {"NonFiniteLoss": NonFiniteLoss, "DeltafyError": DeltafyError}  # what a child run may report

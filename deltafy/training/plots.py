@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import DeltafyError
-from ..files import BETA_FIGURE, LOSS_FIGURE, METRICS_FILE
-from .run_folder import read_metrics, run_summary
+from ..files import BETA_FIGURE, LOSS_FIGURE, METRICS_FILE, read_metrics, run_summary
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import DeltafyError
-from ..files import ADAPTER_DIR, METRICS_FILE
+from ..files import ADAPTER_DIR, METRICS_FILE, read_metrics, run_summary
 from ..options import LaunchOptions
 from ..recipe import ADAPTER_MODES
 from .checkpoints import newest_complete, write_failure
 from .launch import changes_base_weights
 from .plots import factor_label, write_training_figures
-from .run_folder import append_metrics, read_metrics, run_summary
+from .run_folder import append_metrics
 from .sharding import gather_trained, is_sharded, rebuild
 from .trainable import per_layer, site_betas, unwrap_lora
 

@@ -85,28 +85,6 @@ def append_metrics(out: Path, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def read_metrics(metrics_file: str | Path) -> list[dict]:
-    """The records of a run's metrics.jsonl (as append_metrics wrote them)."""
-    records = []
-    try:
-        lines = Path(metrics_file).read_text().splitlines()
-    except OSError as err:
-        raise DeltafyError(f"could not read {metrics_file}: {err.strerror or err}") from err
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed run: the others still count
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def run_summary(records: list[dict]) -> dict:
-    """The last summary record (held-out loss before and after, mean beta per layer), or {}."""
-    return next((r for r in reversed(records) if r.get("event") == "summary"), {})
-
-
 # -- the run record -------------------------------------------------------------------------------
 
 # Settings a resumed run may change: they decide how long it runs and how often it reports or

@@ -156,8 +156,7 @@ def test_a_trained_folder_is_read_as_its_run_read_text(tiny, tmp_path):
     import yaml
 
     from deltafy.checkpoint import read_config
-    from deltafy.files import METRICS_FILE
-    from deltafy.training.run_folder import read_metrics, run_summary
+    from deltafy.files import METRICS_FILE, read_metrics, run_summary
 
     short = tmp_path / "short.txt"
     short.write_text(tiny.held_txt.read_text()[:300])  # about 130 tokens: not one block of 256
