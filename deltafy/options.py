@@ -23,7 +23,7 @@ from pydantic import (
 
 from .errors import DeltafyError
 from .placement import usable_device
-from .recipe import TrainingDefaults, format_validation
+from .recipe import ADAPTER_MODES, HEAD_MODES, TrainingDefaults, format_validation
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # a precision to load (and convert) a model in
 DeviceName = Annotated[str, AfterValidator(usable_device)]  # checked when the options are, before any work
@@ -122,6 +122,38 @@ class LaunchOptions(BaseModel):
 
 class TrainOptions(TrainingDefaults, LaunchOptions):
     """Every ``deltafy train`` setting: the recipe's training defaults plus the launch options."""
+
+
+# The flags only some --train modes read (a recipe's section sets them all; only a flag is checked): given
+# beside another mode, the run would train without a word of them, e.g. --lr (the heads') with --train lora.
+_LORA = ("lora", "heads+lora")
+READ_BY: dict[str, tuple[str, ...]] = {
+    "lr": HEAD_MODES,
+    "gate_lr_scale": HEAD_MODES,
+    "lora_lr": ("heads+lora", "lora", "ia3", "ln-tuning", "base", "all"),
+    "lora_r": _LORA,
+    "lora_alpha": _LORA,
+    "lora_dora": _LORA,
+    "lora_targets": (*_LORA, "ia3", "ln-tuning"),
+    "merge_lora": ADAPTER_MODES,
+}
+
+
+def _spelled(name: str, value, spellings: dict[str, str]) -> str:
+    flag = spellings.get(name, "--" + name.replace("_", "-"))
+    return flag.split("/")[0 if value else 1] if "/" in flag else flag  # (--merge-lora/--keep-adapter: the one given)
+
+
+def refuse_unread_flags(options: TrainOptions, flags: dict, spellings: dict[str, str]) -> None:
+    """Refuse the ``flags`` given (not None) that ``options.train`` does not read, each named as the user
+    spelled it (``spellings``: a field's flag where it is not ``--field-name``)."""
+    unread = [name for name, modes in READ_BY.items() if flags.get(name) is not None and options.train not in modes]
+    if unread:
+        named = [f"{_spelled(n, flags[n], spellings)} ({TrainOptions.model_fields[n].description})" for n in unread]
+        them = "it" if len(named) == 1 else "them"
+        raise DeltafyError(
+            f"--train {options.train} does not read {', '.join(named)}; drop {them} or choose a --train that does"
+        )
 
 
 def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOptions, *, what="training", **flags):

@@ -11,17 +11,17 @@ from ..recipe import TrainingDefaults, load_recipe
 from ._console import console, err_console, spinner_status
 from ._options import OFF, BaseOpt, OverwriteOpt, described, extra_text_paths, sentence, with_model_options
 
-
 # Every training setting is a flag generated from TrainingDefaults, the model that also validates
 # a recipe's `training:` section: one place holds each setting's name, type, default and help.
+SPELLINGS = {
+    "merge_lora": "--merge-lora/--keep-adapter",  # --keep-adapter: the spelling README and users know
+    # On only: an off switch as long as --no-gradient-checkpointing widens every row of --help.
+    "gradient_checkpointing": "--gradient-checkpointing",
+}
+
+
 @with_model_options(
-    TrainingDefaults,
-    panel="Training options (also settable in a recipe's training: section)",
-    spellings={
-        "merge_lora": "--merge-lora/--keep-adapter",  # --keep-adapter: the spelling README and users know
-        # On only: an off switch as long as --no-gradient-checkpointing widens every row of --help.
-        "gradient_checkpointing": "--gradient-checkpointing",
-    },
+    TrainingDefaults, panel="Training options (also settable in a recipe's training: section)", spellings=SPELLINGS
 )
 def train_command(
     ctx: typer.Context,
@@ -74,7 +74,7 @@ def train_command(
       torchrun --nproc_per_node 8 -m deltafy train ./big-delta --data corpus/ --out ./run3 --fsdp
       deltafy train ./smol-delta --data corpus/ --out ./run1 --resume
     """
-    from ..options import options_from
+    from ..options import options_from, refuse_unread_flags
     from ..training.job import run_training
 
     extra_data, extra_eval = extra_text_paths(ctx)  # `--data corpus/*.txt`: one flag, many paths
@@ -89,6 +89,7 @@ def train_command(
 
         base = read_config(model_dir)["deltafy"]["recipe"].get("training")
     options = options_from(base, fsdp=fsdp, **flags)  # flags left unset are None: the recipe's values stay
+    refuse_unread_flags(options, flags, SPELLINGS)
     if recipe and (kept := _heads_kept(model_dir, chosen)):
         err_console.print(
             f"note: --recipe {recipe} sets the training defaults only; this checkpoint keeps the heads it was "

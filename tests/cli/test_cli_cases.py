@@ -125,6 +125,17 @@ CASES = [
         check=lambda paths: _absent(paths, "o-same"),
     ),
     Case(
+        "train-flags-the-mode-does-not-read",  # were ignored without a word: ia3 has no rank, lora no heads' rate
+        ["train", "{delta}", "--data", "{train}", "--out", "{root}/o-unread", "--train", "ia3", "--lora-r", "4"]
+        + ["--lr", "0.1", "--keep-adapter"],
+        1,
+        (
+            "--train ia3 does not read --lr (learning rate of the target and direction heads), --lora-r (LoRA rank); "
+            + "drop them or choose a --train that does",
+        ),
+        check=lambda paths: _absent(paths, "o-unread"),
+    ),
+    Case(
         "train-recipe-lr-1e400",  # YAML reads 1e400 as a string, which pydantic would turn into inf
         ["train", "{delta}", "--data", "{train}", "--out", "{root}/o-lr400", "--recipe", "{root}/lr400.yaml"],
         1,
