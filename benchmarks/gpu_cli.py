@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -55,7 +56,8 @@ def make_stock(folder: Path) -> None:
 
 def deltafy(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "deltafy", *args], capture_output=True, text=True, cwd=REPO)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # (everything is local: no retries of an unreachable Hub)
+    proc = subprocess.run([sys.executable, "-m", "deltafy", *args], capture_output=True, text=True, cwd=REPO, env=env)
     return proc, time.perf_counter() - start
 
 
