@@ -22,7 +22,8 @@ What is counted ("kernels"):
 Decode token: batch 1 with the KV cache (DynamicCache) after an 8-token prompt and two warm-up steps;
 the model's forward of one new token, averaged over --decode-steps steps (fixed tokens, so no argmax).
 Training step: forward with labels (the loss) and loss.backward() of a --batch x --seq-len batch,
-averaged over --train-steps steps after a warm-up; no optimizer step. Two settings:
+averaged over --train-steps steps after a warm-up; no optimizer step; a bf16 model under bf16 autocast,
+its heads in fp32 (as `deltafy train` holds what trains). Two settings:
   train, heads-only   converted: only the DDL heads require grad (deltafy.head_parameter_groups).
                       original: every weight frozen, the embeddings' output requires grad
                       (enable_input_require_grads), so its backward runs through every layer for the
@@ -158,14 +159,17 @@ def decode_kernels(model, call=None, steps: int = 3, device: str = "cpu") -> tup
 
 
 def set_trainable(model, setting: str) -> None:
-    """``setting``: "heads" (a converted model's DDL heads only), "inputs" (weights frozen, gradients of
-    the activations from the embeddings' output on) or "full" (every parameter)."""
+    """``setting``: "heads" (a converted model's DDL heads only, in fp32 as `deltafy train` holds them
+    whatever the model's dtype; _untrain puts them back), "inputs" (weights frozen, gradients of the
+    activations from the embeddings' output on) or "full" (every parameter)."""
     model.train()
     for p in model.parameters():
         p.requires_grad_(setting == "full")
     if setting == "heads":
         for group in deltafy.head_parameter_groups(model):
             for p in group["params"]:
+                if p.dtype != torch.float32:
+                    p._held_as, p.data = p.dtype, p.data.float()
                 p.requires_grad_(True)
     elif setting == "inputs":
         model.enable_input_require_grads()
@@ -180,16 +184,21 @@ def train_kernels(
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        call(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    # a bf16 model trains under bf16 autocast, as `deltafy train` runs it (its casts of bf16 tensors are no-ops)
+    bf16 = model.get_input_embeddings().weight.dtype == torch.bfloat16
 
+    def step():
+        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bf16):
+            loss = call(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+
+    model.zero_grad(set_to_none=True)
     step()
     profs: list = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         with profiled(device, profs):
-            call(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step()
     model.zero_grad(set_to_none=True)
     return _per_step(profs, device, steps)
 
@@ -352,6 +361,9 @@ def _untrain(model) -> None:
         model.disable_input_require_grads()
     for p in model.parameters():
         p.requires_grad_(False)
+        if hasattr(p, "_held_as"):  # (set_trainable's fp32 heads, back in the model's dtype)
+            p.data = p.data.to(p._held_as)
+            del p._held_as
     model.zero_grad(set_to_none=True)
     model.eval()
 
