@@ -8,6 +8,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 
@@ -95,12 +96,13 @@ def _measured_in(metrics_file: Path) -> str:
     """The dtype a run's summary says its held-out losses were measured in ("auto" where an older run's says
     none)."""
     from .files import read_metrics, run_summary
+    from .options import DTypeName
 
     try:
         dtype = run_summary(read_metrics(metrics_file)).get("dtype")
     except DeltafyError:
         return "auto"
-    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+    return dtype if dtype in get_args(DTypeName) else "auto"
 
 
 def load_any(source: str, dtype: str = "auto", device: str | None = None, base: str | None = None):

@@ -19,9 +19,18 @@ from ..options import TrainOptions
 from ..sources.folders import output_path
 from ..sources.lock import RunLock
 from .checkpoints import atomic_trainer, newest_complete, resume_point, step_of
-from .launch import check_heads_only, check_seq_len, is_main_process, planned_steps, read_by
+from .launch import (
+    check_heads_only,
+    check_seq_len,
+    computes_in_bf16,
+    held_dtype,
+    is_main_process,
+    kept_dtype,
+    planned_steps,
+    read_by,
+)
 from .monitor import Stop, monitor, to_stderr
-from .result import TrainResult, computes_in_bf16, finish, finished_result, held_dtype, kept_dtype
+from .result import TrainResult, finish, finished_result
 from .run_folder import (
     clear_run_state,
     compare_records,
@@ -191,7 +200,8 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
     tokens_per_step = options.seq_len * options.batch_size * options.grad_accum * world
     run = _Run(model_dir, out, options, data, eval_data, heads_only, base, main, state_dir, steps, tokens_per_step,
                checkpoint, finished, tokenizer)  # fmt: skip
-    run.stored, run.held = kept_dtype(config, options), held_dtype(config, options)
+    run.stored = kept_dtype(config, options)
+    run.held = held_dtype(run.stored, options)
 
     status(f"loading {model_dir}")
     # base: a heads-only input's base, if it moved; a LoRA the input kept apart is not trained on (said above)

@@ -1,12 +1,16 @@
 """What a run will do, settled before anything is loaded: the steps it plans, which process speaks
-for a torchrun job, what else it reads (which its --out must not destroy), and the checks of its
-sequence length and of a heads-only save."""
+for a torchrun job, what else it reads (which its --out must not destroy), the precision it computes
+in and the dtypes it holds and writes the model in, and the checks of its sequence length and of a
+heads-only save."""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from ..errors import DeltafyError
 from ..options import TrainOptions
@@ -64,6 +68,33 @@ def changes_base_weights(options: TrainOptions) -> bool:
     """Whether the run's output has other pretrained weights than its input: it trains them in place
     (ln-tuning, base, all), or merges an adapter into them."""
     return options.train in ("ln-tuning", "base", "all") or (options.train in ADAPTER_MODES and options.merge_lora)
+
+
+def kept_dtype(config: dict, options: TrainOptions) -> torch.dtype:
+    """The dtype a run writes its model in: the input's (a bf16 model stays bf16, its frozen weights exactly
+    as they were), unless the run changed pretrained weights (a merged adapter, ln-tuning, base, all), whose
+    steps, smaller than bf16's resolution, would round away: those are written in float32."""
+    from ..sources.load import resolve_dtype
+
+    return torch.float32 if changes_base_weights(options) else resolve_dtype("auto", SimpleNamespace(**config))
+
+
+def computes_in_bf16(options: TrainOptions) -> bool:
+    """Whether the run's forward and backward run under bf16 autocast: --precision bf16, or auto on a GPU
+    that supports it."""
+    if options.precision != "auto":
+        return options.precision == "bf16"
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def held_dtype(stored: torch.dtype, options: TrainOptions) -> torch.dtype:
+    """The dtype a run holds the model in while it trains (``stored``: its kept_dtype); what trains is
+    float32 whatever this is (see select_trainable). A bf16 input that trains in bf16 keeps its frozen
+    weights in bf16: autocast runs its matmuls in bf16 either way, and a float32 copy would double the
+    memory of what does not train (a 7B base: 28 GB, not 14). Otherwise float32: a run that changes
+    pretrained weights, or trains in float32, computes on float32 weights (fp16's range is not trusted
+    to a backward pass)."""
+    return stored if stored == torch.bfloat16 and computes_in_bf16(options) else torch.float32
 
 
 def check_heads_only(config: dict, options: TrainOptions, model_dir: str) -> None:

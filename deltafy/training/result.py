@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -15,7 +14,6 @@ from ..files import ADAPTER_DIR, METRICS_FILE, read_metrics, run_summary
 from ..options import LaunchOptions
 from ..recipe import ADAPTER_MODES
 from .checkpoints import newest_complete, write_failure
-from .launch import changes_base_weights
 from .plots import factor_label, write_training_figures
 from .run_folder import append_metrics
 from .sharding import gather_trained, is_sharded, rebuild
@@ -53,33 +51,6 @@ def finished_result(out: Path, steps: int) -> TrainResult:
         out=out,
         already_finished=True,
     )
-
-
-def kept_dtype(config: dict, options) -> torch.dtype:
-    """The dtype a run writes its model in: the input's (a bf16 model stays bf16, its frozen weights exactly
-    as they were), unless the run changed pretrained weights (a merged adapter, ln-tuning, base, all), whose
-    steps, smaller than bf16's resolution, would round away: those are written in float32."""
-    from ..sources.load import resolve_dtype
-
-    return torch.float32 if changes_base_weights(options) else resolve_dtype("auto", SimpleNamespace(**config))
-
-
-def computes_in_bf16(options) -> bool:
-    """Whether the run's forward and backward run under bf16 autocast: --precision bf16, or auto on a GPU
-    that supports it."""
-    if options.precision != "auto":
-        return options.precision == "bf16"
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def held_dtype(config: dict, options) -> torch.dtype:
-    """The dtype a run holds the model in while it trains; what trains is float32 whatever this is (see
-    select_trainable). A bf16 input that trains in bf16 keeps its frozen weights in bf16: autocast runs
-    its matmuls in bf16 either way, and a float32 copy would double the memory of what does not train
-    (a 7B base: 28 GB, not 14). Otherwise float32: a run that changes pretrained weights, or trains
-    in float32, computes on float32 weights (fp16's range is not trusted to a backward pass)."""
-    stored = kept_dtype(config, options)
-    return stored if stored == torch.bfloat16 and computes_in_bf16(options) else torch.float32
 
 
 def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
