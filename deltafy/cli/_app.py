@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -117,6 +118,9 @@ def run(args: list[str]) -> None:
     except Exception as err:
         if _by_the_interrupt(err):
             raise KeyboardInterrupt from err
+        if (line := _out_of_memory(err, args)) is not None and not state.debug:
+            err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+            sys.exit(1)
         # Every failure deltafy expects (bad input, missing files, offline Hub, unsupported model)
         # is a DeltafyError above. Anything else is a bug in deltafy: say so rather than pass it off
         # as the user's mistake, and ask for the report that lets us fix it.
@@ -134,6 +138,32 @@ def run(args: list[str]) -> None:
         raise KeyboardInterrupt
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+# What lowers each command's peak memory; a GPU's runs out long before a 7B's weights are the problem.
+_LESS_MEMORY = {
+    "train": "lower --batch-size (raise --grad-accum to keep the tokens per step) or --seq-len, add "
+    "--gradient-checkpointing, or shard the model over several GPUs (torchrun ... --fsdp)",
+    "eval": "lower --batch-size or --seq-len, or evaluate on another --device",
+    "bench": "lower --batch-size or --seq-len",
+    "convert": "convert with --streaming (a decoder layer at a time) on the CPU (no --device)",
+}
+_NO_MEMORY = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
+
+
+def _out_of_memory(err: Exception, args: list[str]) -> str | None:
+    """The one line for an allocation the machine refused (torch's OutOfMemoryError on a GPU, the CPU
+    allocator's RuntimeError, Python's MemoryError), which is the run's size, not a bug: with what
+    to lower, else None."""
+    if not (isinstance(err, MemoryError) or isinstance(err, RuntimeError) and _NO_MEMORY.search(str(err))):
+        return None
+    torch = sys.modules.get("torch")  # (a torch error comes from a loaded torch)
+    where = "GPU " if torch is not None and isinstance(err, torch.OutOfMemoryError) else ""
+    asked = re.search(r"(?i)tried to allocate ([^.]+(?:\.\d+ \w+)?)", str(err))
+    asked = asked and re.sub(r"^(\d+) bytes$", lambda m: f"{int(m[1]) / 2**30:,.1f} GiB", asked[1])
+    command = next((arg for arg in args if not arg.startswith("-")), "")
+    hint = _LESS_MEMORY.get(command, "free memory, or run it on a machine with more")
+    return f"out of {where}memory{f' (it tried to allocate {asked})' if asked else ''}: {hint}"
 
 
 def _by_the_interrupt(err: Exception) -> bool:

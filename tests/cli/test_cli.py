@@ -397,6 +397,54 @@ def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
         main(["--debug", "recipes"])
 
 
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_running_out_of_memory_is_an_error_that_says_what_to_lower(command, monkeypatch, capsys, tmp_path, src):
+    """An allocation the machine refuses is the run's size, not a bug in deltafy: one ``error:`` line naming
+    the flags that lower the command's memory. The refusal is the CPU allocator's own (a petabyte); it is
+    injected into the heads' forward, which every training step and evaluation runs."""
+    from deltafy.cli import main
+    from deltafy.modeling_deltafy import DeltaSite
+
+    delta = deltafy.save(deltafy.convert(tiny_model("llama-tied")), tmp_path / "delta")
+    tiny_tokenizer().save_pretrained(delta)
+    text = tmp_path / "text.txt"
+    text.write_text("the capital of france is once upon a time deep learning " * 200)
+
+    def too_big(site, x, c, h):
+        return h + torch.empty(1 << 50, dtype=torch.uint8).sum()
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(DeltaSite, "forward", too_big)
+    args = {
+        "train": ["train", delta, "--data", text, "--steps", "1", "--seq-len", "16", "--batch-size", "2"],
+        "eval": ["eval", delta, "--data", text, "--seq-len", "16"],
+    }[command]
+    args += ["--out", tmp_path / "run"] if command == "train" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    assert exit_info.value.code == 1
+    # (in this process transformers' loading bar is not silenced as the command silences it in its own)
+    line = assert_one_line_error(SimpleNamespace(returncode=1, stdout="", stderr=capsys.readouterr().err))
+    assert line.startswith("error: out of memory (it tried to allocate 1,048,576.0 GiB): lower --batch-size"), line
+    assert ("--gradient-checkpointing" in line) == (command == "train"), line
+    with pytest.raises(RuntimeError, match="can't allocate memory"):  # --debug: torch's own error
+        main(["--debug", *map(str, args)])
+
+
+def test_a_gpu_out_of_memory_error_is_named_so():
+    """torch's OutOfMemoryError (a GPU's; none here to raise it) is told from the CPU's, with what it asked for."""
+    from deltafy.cli._app import _out_of_memory
+
+    err = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.06 GiB "
+        "is free. Of the allocated memory 76.59 GiB is allocated by PyTorch"
+    )
+    line = _out_of_memory(err, ["--debug", "eval", "x"])
+    lower = "lower --batch-size or --seq-len, or evaluate on another --device"
+    assert line == f"out of GPU memory (it tried to allocate 2.00 GiB): {lower}", line
+    assert _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ["eval"]) is None
+
 # -- train's flags: generated from TrainingDefaults -----------------------------------------------------
 def test_train_help_lists_every_training_option(tmp_path):
     from deltafy.recipe import TrainingDefaults
