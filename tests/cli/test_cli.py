@@ -397,7 +397,6 @@ def test_unexpected_exception_says_it_is_a_bug(monkeypatch, capsys):
         main(["--debug", "recipes"])
 
 
-
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_running_out_of_memory_is_an_error_that_says_what_to_lower(command, monkeypatch, capsys, tmp_path, src):
     """An allocation the machine refuses is the run's size, not a bug in deltafy: one ``error:`` line naming
@@ -444,6 +443,7 @@ def test_a_gpu_out_of_memory_error_is_named_so():
     lower = "lower --batch-size or --seq-len, or evaluate on another --device"
     assert line == f"out of GPU memory (it tried to allocate 2.00 GiB): {lower}", line
     assert _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ["eval"]) is None
+
 
 # -- train's flags: generated from TrainingDefaults -----------------------------------------------------
 def test_train_help_lists_every_training_option(tmp_path):
