@@ -1,8 +1,8 @@
 """The command line end to end on the machine it runs on: convert, train (heads; heads+LoRA kept apart),
 eval and inspect of a small random bf16 Llama, each command a child process as a user runs it, every result
 checked. Run it on a GPU beside benchmarks/gpu.sh (about a minute): there `deltafy train` runs under bf16
-autocast with the frozen base held in bf16 and the fused path on, eval and inspect on the GPU, none of which a
-CPU run reaches (CI runs it on CPU).
+autocast with the frozen base held in bf16 and the fused path on, eval and inspect on the GPU (and eval once
+more with half the layers left on the CPU), none of which a CPU run reaches (CI runs it on CPU).
 
     python benchmarks/gpu_cli.py            # prints one line per command, exits 1 if any check failed
     python benchmarks/gpu_cli.py --keep DIR # leaves the folders in DIR
@@ -73,6 +73,23 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def spread_loss(run: Path) -> tuple[float, list[str]]:
+    """The run's held-out loss as eval measures it, with the GPU given room for half its weights: place()'s
+    "auto" map (eval's default on a GPU) leaves the other decoder layers on the CPU, run on the GPU a layer at
+    a time. Returns the loss and the devices each part ran from."""
+    from deltafy.evaluate import evaluate_text, load_any, run_settings
+    from deltafy.placement import place
+
+    options = run_settings(str(run), {})
+    model, tokenizer = load_any(str(run), options.dtype)
+    half = sum(t.numel() * t.element_size() for t in model.parameters()) // 2
+    model = place(model, "auto", max_memory={0: half})
+    loss = evaluate_text(
+        model, tokenizer, [str(HELD)], options.seq_len, options.batch_size, options.max_blocks, options.text_field
+    ).loss
+    return loss, sorted(map(str, set(model.hf_device_map.values())))
+
+
 class Checks:
     def __init__(self):
         self.failed = 0
@@ -120,6 +137,13 @@ def main() -> int:
         if shown is not None:
             loss = json.loads(shown)["loss"]
             c.check("eval gives the run's loss after", abs(loss - after) < 1e-6, f"{loss:.6f} vs {after:.6f}")
+            if torch.cuda.is_available():  # (on a CPU there is nothing to spread)
+                spread, devices = spread_loss(run)
+                c.check(
+                    "eval with half the layers on the CPU gives the same loss",
+                    devices == ["0", "cpu"] and abs(spread - loss) < 1e-6,
+                    f"{spread:.6f} vs {loss:.6f}, on {' and '.join(devices)}",
+                )
         shown = c.command("inspect --data", "inspect", str(run), "--data", str(HELD), "--json")
         if shown is not None:
             layers = json.loads(shown)["layers"]

@@ -21,7 +21,7 @@ from .card import model_card, public
 from .errors import DeltafyError, first_line
 from .files import ADAPTER_DIR, CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
-from .placement import AUTO, auto_device_map, usable_device
+from .placement import AUTO, auto_device_map, place, usable_placement
 from .quiet import quiet_transformers
 from .recipe import Recipe
 from .sources.folders import atomic_dir, output_path
@@ -341,11 +341,12 @@ def load(
     checkpoint says; a local base is checked against the hashes the checkpoint recorded). A LoRA
     adapter a run kept apart (``lora-adapter/``) is part of the model it trained, and is loaded
     into it (transformers' ``load_adapter``); ``adapter=False`` leaves it out. A model that carries
-    one is not saved again (``save`` refuses it).
+    one is not saved again (``save`` refuses it). ``device``: where the model runs, or "auto" (the GPUs as
+    it fits: ``placement.place``).
     """
     if device is not None:  # before the load: a typo or a missing GPU is the caller's to fix, as --device's
         try:
-            usable_device(str(device))
+            usable_placement(str(device))
         except ValueError as err:
             raise DeltafyError(f"device={str(device)!r}: {err}") from None
     if isinstance(dtype, str) and dtype != "auto":
@@ -402,15 +403,14 @@ def load(
             f"{path} is incomplete: {len(missing)} tensors missing (e.g. {missing[0]}); the weights may be "
             f"truncated or from another model"
         )
-    if device is not None:
-        model.to(device)
     kept = kept_adapter(folder)
-    if adapter and kept is not None:
+    if adapter and kept is not None:  # (on the CPU: peft places an adapter's weights with those it adapts)
         try:
             with quiet_transformers():
                 model.load_adapter(str(kept))
         except Exception as err:
             raise DeltafyError(f"could not load the LoRA adapter kept in {kept}: {first_line(err)}") from err
+    model = place(model, None if device is None else str(device))
     enable_where_available(model)
     return model.eval()
 

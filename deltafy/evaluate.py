@@ -14,6 +14,7 @@ import torch
 
 from .data import pack, token_stream
 from .errors import DeltafyError
+from .placement import place
 
 # Where configs keep their context length: llama and most others, gpt2, older gpt2-style, some remote-code families.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -126,9 +127,7 @@ def load_any(source: str, dtype: str = "auto", device: str | None = None, base: 
         finally:
             sources_log.setLevel(level)
         model, tokenizer = loaded.model, loaded.tokenizer
-    if device:
-        model.to(device)
-    return model.eval(), tokenizer
+    return place(model, device).eval(), tokenizer
 
 
 @torch.no_grad()

@@ -22,11 +22,12 @@ from pydantic import (
 )
 
 from .errors import DeltafyError
-from .placement import usable_device
+from .placement import usable_device, usable_placement
 from .recipe import ADAPTER_MODES, HEAD_MODES, TrainingDefaults, format_validation
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # a precision to load (and convert) a model in
 DeviceName = Annotated[str, AfterValidator(usable_device)]  # checked when the options are, before any work
+PlacementName = Annotated[str, AfterValidator(usable_placement)]  # a DeviceName, or "auto"
 SELF_CHECK_TOLERANCE = 1e-3  # the largest |Δlogits| a conversion's self-check accepts in fp32
 
 
@@ -209,10 +210,11 @@ class EvalOptions(BaseModel):
         description="precision to load the model in; auto: as the checkpoint records it (a trained folder: as its "
         "run held it, so that its held-out loss is measured again)",
     )
-    device: DeviceName | None = Field(
+    device: PlacementName | None = Field(
         None,
-        description="device to evaluate on, e.g. cuda:1",
-        json_schema_extra={"shown": "cuda if there is one, else cpu"},
+        description="device to evaluate on, e.g. cuda:1, or auto: spread over the GPUs as it fits (accelerate), "
+        "the layers they cannot hold run from the CPU",
+        json_schema_extra={"shown": "auto where there is a GPU, else cpu"},
     )
 
 

@@ -35,10 +35,41 @@ def usable_device(name: str) -> str:
     return name
 
 
+def usable_placement(name: str) -> str:
+    """A ``--device`` that may also be "auto" (``place``'s): eval's."""
+    return name if name == "auto" else usable_device(name)
+
+
 def default_device() -> str | None:
-    """Where eval and inspect run a model the user names no device for: the GPU where there is one (a 7B
-    on the CPU takes minutes where the GPU takes seconds), else where it loads (None: the CPU)."""
-    return "cuda" if torch.cuda.is_available() else None
+    """Where eval and inspect run a model the user names no device for: the GPUs where there are any (a
+    7B on the CPU takes minutes where a GPU takes seconds; a 70B needs several), else where it loads
+    (None: the CPU)."""
+    return "auto" if torch.cuda.is_available() else None
+
+
+# Of a GPU's free memory, what the weights may fill: the rest holds a forward's activations (a batch
+# of 8 x 256 tokens of a 128k vocabulary: 1 GB of float32 logits).
+WEIGHTS_SHARE = 0.85
+
+
+def place(model: nn.Module, device: str | None, max_memory: dict | None = None) -> nn.Module:
+    """``model``, loaded on the CPU, where it runs: ``device``, or for "auto" accelerate's map over the
+    GPUs in order (a model that fits the first stays whole on it), the layers they cannot take left on
+    the CPU and run on the first GPU one at a time, every site's heads with the GPU that computes.
+    ``max_memory``: what each GPU may hold (accelerate's form), default WEIGHTS_SHARE of its free memory."""
+    if device != "auto":
+        return model if device is None else model.to(device)
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_max_memory
+
+    free = get_max_memory()
+    memory = get_max_memory(max_memory) if max_memory else {k: int(v * WEIGHTS_SHARE) for k, v in free.items()}
+    # the weights are in CPU memory already: what the GPUs do not take stays where it is
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    memory["cpu"] = max(free.get("cpu", 0), size)
+    no_split = model._no_split_modules or []
+    device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    return dispatch_model(model, heads_resident(model, device_map))
 
 
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:

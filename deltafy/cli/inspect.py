@@ -92,7 +92,7 @@ def inspect_command(
     """Show a deltafy checkpoint: recipe, sites, and the mean gate factor per layer on a few prompts or on --data.
 
     With --data, text is read in blocks of the checkpoint's run (its recipe's seq_len), 8 blocks at most. The
-    model runs in float32, on the GPU where there is one.
+    model runs in float32, on the GPUs where there are any (spread over them where one cannot hold it).
 
     [bold]Examples[/]
 

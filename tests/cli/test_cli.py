@@ -565,6 +565,7 @@ def test_convert_settings_come_from_convert_options(tmp_path):
     bad["--device: 'tpu' is not a device; e.g. cpu, cuda"] = ("--device", "tpu")
     bad["--device: cuda:99: "] = ("--device", "cuda:99")
     bad["--device: deltafy runs on cpu, cuda, mps or xpu, not meta"] = ("--device", "meta")
+    bad["--device: 'auto' is not a device"] = ("--device", "auto")  # eval's placement, not a conversion's
     for needle, flags in bad.items():
         proc = cli(*args, *flags, cwd=tmp_path)
         assert proc.returncode == 1

@@ -93,6 +93,17 @@ def test_max_blocks_batch_size_and_text_field(tiny, tmp_path, capsys):
     assert result["loss"] == pytest.approx(loss, abs=1e-4)
 
 
+def test_device_auto_evaluates_where_the_model_fits(tiny, capsys):
+    """--device auto (the default where there is a GPU) maps the model over the devices it fits on with
+    accelerate: with no GPU here, all of it on the CPU, measuring what the CPU measures."""
+    main(["eval", str(tiny.delta), "--data", str(tiny.held_txt), "--seq-len", str(SEQ), "--device", "auto", "--json"])
+    loss, _ = hand_loss(tiny.stock, tiny.held_txt.read_text(), SEQ)
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(loss, abs=1e-4)
+    for folder in (tiny.stock, tiny.delta):
+        model, _ = load_any(str(folder), device="auto")
+        assert model.hf_device_map == {"": "cpu"}
+
+
 def test_evaluate_text_on_both_kinds_of_folder(tiny):
     results = []
     for folder in (tiny.stock, tiny.delta):
