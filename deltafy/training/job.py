@@ -160,6 +160,11 @@ def _prepare(model_dir, config, data, out, options, eval_data, resume, overwrite
         raise DeltafyError(f"{model_dir} has no tokenizer; training needs one to read text")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     steps = planned_steps(options, world)
+    if main and world == 1 and (gpus := torch.cuda.device_count()) > 1:  # (_fit keeps the run on one)
+        notice(
+            f"this machine has {gpus} GPUs and a single process trains on the first; to train on all of them, "
+            f"launch it as `torchrun --nproc_per_node {gpus} -m deltafy train ...` (add --fsdp to shard the model)"
+        )
     record = run_record(
         model_dir,
         config["deltafy"],
@@ -265,6 +270,10 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
         **_checkpointing_args(options.gradient_checkpointing),
         **run.sharding,
     )
+    if args.n_gpu > 1:  # one process that sees several GPUs: the Trainer would split each batch over them with
+        # nn.DataParallel, whose replicas of a module share its forward, deltafy's site call, which runs the
+        # original module (on the first GPU) on each replica's input; and the steps would hold n_gpu batches
+        args._n_gpu = 1
 
     def make_optimizer():
         return torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in run.groups])
