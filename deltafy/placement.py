@@ -67,9 +67,12 @@ def place(model: nn.Module, device: str | None, max_memory: dict | None = None) 
     # the weights are in CPU memory already: what the GPUs do not take stays where it is
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     memory["cpu"] = max(free.get("cpu", 0), size)
-    no_split = model._no_split_modules or []
-    device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
-    return dispatch_model(model, heads_resident(model, device_map))
+    spread = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=model._no_split_modules or [])
+    device_map = heads_resident(model, spread)
+    # the CPU's layers run where the heads are (accelerate would pick any GPU of the map); the KV cache is not
+    # moved from layer to layer (transformers' own dispatch skips it too)
+    skip = getattr(model, "_skip_keys_device_placement", None)
+    return dispatch_model(model, device_map, main_device=computing(device_map), skip_keys=skip)
 
 
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
@@ -89,11 +92,16 @@ def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dt
     return heads_resident(model, device_map)
 
 
+def computing(device_map: dict[str, object]):
+    """The device a map's model computes on: the first that is not an offload target, else the CPU."""
+    return next((d for d in device_map.values() if d not in OFFLOAD), "cpu")
+
+
 def heads_resident(model: nn.Module, device_map: dict[str, object]) -> dict[str, object]:
-    """``device_map`` with each site's heads (``...delta``) on the device the model computes on (the
-    first that is not an offload target, else the CPU), splitting an offloaded module into its
-    children, which keep its placement, down to the heads."""
-    compute = next((d for d in device_map.values() if d not in OFFLOAD), "cpu")
+    """``device_map`` with each site's heads (``...delta``) on the device the model computes on
+    (``computing``), splitting an offloaded module into its children, which keep its placement,
+    down to the heads."""
+    compute = computing(device_map)
     placed = dict(device_map)
     sites = [name for name, module in model.named_modules() if name.endswith(".delta")]
     for site in sites:
