@@ -92,7 +92,8 @@ def inspect_command(
     """Show a deltafy checkpoint: recipe, sites, and the mean gate factor per layer on a few prompts or on --data.
 
     With --data, text is read in blocks of the checkpoint's run (its recipe's seq_len), 8 blocks at most. The
-    model runs in float32, on the GPUs where there are any (spread over them where one cannot hold it).
+    model runs in the dtype eval reads it in (as stored; a trained folder: as its run held it), on the GPUs
+    where there are any (spread over them where one cannot hold it).
 
     [bold]Examples[/]
 
@@ -115,11 +116,14 @@ def inspect_command(
             raise DeltafyError(f"{plot} is a folder; --plot takes a file name such as beta.png")
     if data:
         expand(data)
-    model = load(model_dir, dtype=torch.float32, base=base, device=default_device())
+    # in the dtype eval reads it in: as stored (a trained folder: as its run held it), not float32, which
+    # doubles a bf16 model's memory
+    options = run_settings(str(model_dir), {"text_field": text_field})
+    dtype = None if options.dtype == "auto" else options.dtype
+    model = load(model_dir, dtype=dtype, base=base, device=default_device())
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     if data:
-        options = run_settings(str(model_dir), {"text_field": text_field})
         betas, tokens = _mean_betas_on_text(model, tokenizer, list(data), options)
     else:
         betas, tokens = _mean_betas(model, tokenizer), None

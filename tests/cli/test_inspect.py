@@ -75,3 +75,26 @@ def test_data_measures_beta_on_that_text(opened, tmp_path):
 
     missing = cli("inspect", model_dir, "--data", tmp_path / "nope.txt", cwd=tmp_path)
     assert_one_line_error(missing, "nope.txt")
+
+
+def test_a_bf16_checkpoint_is_inspected_in_bf16(opened, tmp_path):
+    """inspect reads a model in the dtype eval does: a bf16 checkpoint as bf16 (as it is served), not float32
+    (twice its memory)."""
+    model_dir, held, cache = opened
+    model = deltafy.load(model_dir, dtype=torch.bfloat16)
+    bf16_dir = deltafy.save(model, tmp_path / "bf16", tokenizer=deltafy.load_tokenizer(model_dir))
+    shown = cli("inspect", bf16_dir, "--data", held, "--json", cwd=tmp_path, env={"DELTAFY_CACHE": str(cache)})
+    assert shown.returncode == 0, shown.stderr
+    measured = {
+        f"model.layers.{layer['layer']}.delta.{site}": value
+        for layer in json.loads(shown.stdout)["layers"]
+        for site, value in layer["beta"].items()
+    }
+    blocks = pack(token_stream([str(held)], deltafy.load_tokenizer(bf16_dir), use_cache=False), 256)[:8]
+    expected = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = deltafy.load(bf16_dir, dtype=dtype)
+        with torch.no_grad():
+            expected[dtype] = mean_betas(loaded, lambda model=loaded: model(input_ids=blocks))
+    assert measured == pytest.approx(expected[torch.bfloat16], rel=1e-5)
+    assert measured != pytest.approx(expected[torch.float32], rel=1e-5)  # (the dtype shows in the means)
