@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> None:
             from ..quiet import quiet_third_parties
 
             quiet_third_parties()
-        from ._app import run
-
+        # torch's C++ start-up calls back into Python (pybind11): an interrupt raised there aborts the process
+        # (SIGABRT) or is lost (the command runs to its end). The signal waits for the imports instead.
+        with interrupts.deferred():
+            from ._app import run
         run(args)
     except KeyboardInterrupt:
         _interrupted(argv)
