@@ -59,7 +59,7 @@ def place(model: nn.Module, device: str | None, max_memory: dict | None = None) 
     ``max_memory``: what each GPU may hold (accelerate's form), default WEIGHTS_SHARE of its free memory."""
     if device != "auto":
         return model if device is None else model.to(device)
-    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate import dispatch_model
     from accelerate.utils import get_max_memory
 
     free = get_max_memory()
@@ -67,8 +67,7 @@ def place(model: nn.Module, device: str | None, max_memory: dict | None = None) 
     # the weights are in CPU memory already: what the GPUs do not take stays where it is
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     memory["cpu"] = max(free.get("cpu", 0), size)
-    spread = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=model._no_split_modules or [])
-    device_map = heads_resident(model, spread)
+    device_map = auto_device_map(model, "sequential", memory, None)  # (None: each tensor's own dtype)
     # the CPU's layers run where the heads are (accelerate would pick any GPU of the map); the KV cache is not
     # moved from layer to layer (transformers' own dispatch skips it too)
     skip = getattr(model, "_skip_keys_device_placement", None)
@@ -76,8 +75,8 @@ def place(model: nn.Module, device: str | None, max_memory: dict | None = None) 
 
 
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
-    """accelerate's map for ``model`` (a skeleton on the meta device) under ``strategy``, as
-    transformers' from_pretrained infers it, with the DDL heads kept resident."""
+    """accelerate's map for ``model`` (a skeleton on the meta device, or a loaded model) under ``strategy``,
+    as transformers' from_pretrained infers it, with the DDL heads kept resident."""
     from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
 
     no_split = model._no_split_modules

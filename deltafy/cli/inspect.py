@@ -119,8 +119,7 @@ def inspect_command(
     # in the dtype eval reads it in: as stored (a trained folder: as its run held it), not float32, which
     # doubles a bf16 model's memory
     options = run_settings(str(model_dir), {"text_field": text_field})
-    dtype = None if options.dtype == "auto" else options.dtype
-    model = load(model_dir, dtype=dtype, base=base, device=default_device())
+    model = load(model_dir, dtype=options.dtype, base=base, device=default_device())
     tokenizer = load_tokenizer(model_dir)
     spec = model.config.deltafy
     if data:
