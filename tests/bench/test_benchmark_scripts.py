@@ -204,3 +204,35 @@ def test_the_command_line_check_passes_on_cpu():
     stdout = _run("gpu_cli.py")
     assert "no GPU (CPU run)" in stdout and stdout.rstrip().endswith("all checks passed")
     assert stdout.count("\nok ") >= 12 and "FAIL" not in stdout
+
+
+def _kernel_rows(stdout: str) -> dict:
+    """compiled.py's kernel rows: {phase label: ((Triton, extern) original, (Triton, extern) converted)}."""
+    rows = {}
+    for line in stdout.splitlines():
+        if " extern" in line:
+            label, cells = line[:24].strip(), line[24:].split()  # "14 + 19 extern  14 + 19 extern"
+            rows[label] = ((int(cells[0]), int(cells[2])), (int(cells[4]), int(cells[6])))
+    return rows
+
+
+def test_compiled_sites_fuse_into_the_kernels_around_them():
+    """inductor's Triton code for a compiled decode step of a converted tiny SmolLM2 holds the original's
+    kernels and no more (each site's reductions and write fuse into the norm and the residual add beside it),
+    and the host part measures both models and their guards."""
+    stdout = _run("compiled.py", "--phases", "decode", "--layers", "2", "--rounds", "1", "--steps", "2")
+    (original, converted) = _kernel_rows(stdout)["decode step, batch 1"]
+    assert original[0] > 0 and original[1] > 0, stdout
+    assert converted == original, stdout
+    host = stdout[stdout.index("compiled decode step on the host") :].splitlines()
+    cells = {line[:28].strip(): line[28:].split() for line in host[2:5]}
+    assert all(float(v) > 0 for v in cells["µs a token (median)"][:2]), host
+    nodes = [int(v) for v in cells["guard tree, nodes"][:2]]
+    assert 0 < nodes[0] < nodes[1], host  # the heads and the site calls are guarded too
+
+
+def test_compiled_learned_direction_adds_its_two_matmuls_a_site():
+    stdout = _run("compiled.py", "--only", "kernels", "--phases", "decode", "--recipe", "ddl-learned")
+    (original, converted) = _kernel_rows(stdout)["decode step, batch 1"]
+    assert converted[1] == original[1] + 2 * 4, stdout  # down and up of a rank-16 direction, at 4 sites
+    assert original[0] <= converted[0] <= original[0] + 4, stdout  # at most one more kernel a site
