@@ -14,7 +14,7 @@ import torch
 
 from .data import pack, token_stream
 from .errors import DeltafyError
-from .placement import place
+from .placement import input_device, place
 
 # Where configs keep their context length: llama and most others, gpt2, older gpt2-style, some remote-code families.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -133,7 +133,7 @@ def load_any(source: str, dtype: str = "auto", device: str | None = None, base: 
 @torch.no_grad()
 def evaluate(model, blocks: torch.Tensor, batch_size: int = 8) -> EvalResult:
     """Mean next-token loss over every predicted token of ``blocks`` (n, seq_len)."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

@@ -74,6 +74,15 @@ def place(model: nn.Module, device: str | None, max_memory: dict | None = None) 
     return dispatch_model(model, device_map, main_device=computing(device_map), skip_keys=skip)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s input ids go: the device its input embeddings compute on. An embedding accelerate
+    offloaded holds meta tensors and is brought in for each forward, onto its hook's execution device;
+    otherwise the embedding's weights' device."""
+    embedding = model.get_input_embeddings()
+    execution = getattr(getattr(embedding, "_hf_hook", None), "execution_device", None)
+    return torch.device(execution) if execution is not None else next(embedding.parameters()).device
+
+
 def auto_device_map(model: nn.Module, strategy: str, max_memory: dict | None, dtype) -> dict[str, object]:
     """accelerate's map for ``model`` (a skeleton on the meta device, or a loaded model) under ``strategy``,
     as transformers' from_pretrained infers it, with the DDL heads kept resident."""

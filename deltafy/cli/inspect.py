@@ -14,6 +14,7 @@ from ..checkpoint import load, load_tokenizer
 from ..conversion.verify import PROMPTS, make_inputs
 from ..files import ADAPTER_DIR
 from ..options import EvalOptions
+from ..placement import input_device
 from ..surgery import mean_betas
 from ._console import console
 from ._options import OFF, BaseOpt, described, sentence
@@ -40,7 +41,7 @@ def _mean_betas_on_text(model, tokenizer, data: list[str], options) -> tuple[dic
         )
     stream = token_stream(data, tokenizer, options.text_field)
     seq_len = min(options.seq_len, model_positions(model.config) or options.seq_len, stream.numel())
-    blocks = pack(stream, seq_len)[:MAX_BLOCKS].to(next(model.parameters()).device)
+    blocks = pack(stream, seq_len)[:MAX_BLOCKS].to(input_device(model))
 
     def run():
         for start in range(0, len(blocks), BATCH):

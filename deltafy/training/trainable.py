@@ -10,6 +10,7 @@ import torch
 
 from ..errors import DeltafyError, first_line
 from ..options import TrainOptions
+from ..placement import input_device
 from ..recipe import ADAPTER_MODES, HEAD_MODES, Mode
 from ..sources.folders import readable
 from ..surgery import mean_betas
@@ -173,7 +174,7 @@ def site_betas(model, blocks: torch.Tensor) -> tuple[dict[str, float], str]:
     blocks = blocks[:BETA_BLOCKS]
     model.eval()
     with torch.no_grad():
-        betas = mean_betas(model, lambda: model(input_ids=blocks.to(next(model.parameters()).device)))
+        betas = mean_betas(model, lambda: model(input_ids=blocks.to(input_device(model))))
     first = "the first held-out block" if len(blocks) == 1 else f"the first {len(blocks)} held-out blocks"
     return betas, f"{first} of {blocks.shape[-1]} tokens"
 

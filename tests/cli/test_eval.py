@@ -12,7 +12,7 @@ from helpers.training import run_cli
 
 from deltafy.cli import main
 from deltafy.errors import DeltafyError
-from deltafy.evaluate import check_sizes, evaluate_text, load_any, model_positions
+from deltafy.evaluate import check_sizes, evaluate, evaluate_text, load_any, model_positions
 
 SEQ = 32
 
@@ -225,3 +225,19 @@ def test_a_trained_folder_is_evaluated_in_the_dtype_its_run_held_it_in(tiny, tmp
 
     assert evaluated() == pytest.approx(run.loss_after, abs=1e-6)
     assert abs(evaluated("--dtype", "bfloat16") - run.loss_after) > 1e-5  # (bf16 arithmetic: another loss)
+
+
+def test_a_model_whose_embedding_is_offloaded_is_evaluated_where_it_computes(tiny, tmp_path):
+    """accelerate holds an offloaded module's weights on the meta device and brings them in for each forward:
+    evaluation and the β means send their ids where the embedding computes, not to its weights' meta device."""
+    import deltafy
+    from deltafy.training.trainable import site_betas
+
+    blocks = torch.randint(0, 400, (3, SEQ), generator=torch.Generator().manual_seed(0))
+    resident = deltafy.load(tiny.delta, dtype=torch.float32)
+    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu"}
+    device_map |= {"model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = deltafy.load(tiny.delta, dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path))
+    assert offloaded.get_input_embeddings().weight.device.type == "meta"  # really offloaded
+    assert evaluate(offloaded, blocks, 2).loss == pytest.approx(evaluate(resident, blocks, 2).loss, abs=1e-6)
+    assert site_betas(offloaded, blocks)[0] == pytest.approx(site_betas(resident, blocks)[0], abs=1e-6)
