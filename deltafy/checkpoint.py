@@ -18,7 +18,7 @@ import torch
 
 from . import modeling_deltafy
 from .card import model_card, public
-from .errors import DeltafyError, first_line
+from .errors import DeltafyError, load_failure
 from .files import ADAPTER_DIR, CARD_FILE, CONFIG_FILE, HEADS_FILE, MODELING_FILE, RECIPE_FILE
 from .fused import enable_where_available
 from .placement import AUTO, auto_device_map, place, usable_placement
@@ -396,7 +396,7 @@ def load(
             **kwargs,
         )
     except Exception as err:
-        raise DeltafyError(f"could not load {path}: {first_line(err)}") from err
+        raise load_failure(f"could not load {path}", err) from err
     missing = list(info.get("missing_keys", ()))
     if missing:  # transformers would have filled them with random values
         raise DeltafyError(
@@ -409,7 +409,7 @@ def load(
             with quiet_transformers():
                 model.load_adapter(str(kept))
         except Exception as err:
-            raise DeltafyError(f"could not load the LoRA adapter kept in {kept}: {first_line(err)}") from err
+            raise load_failure(f"could not load the LoRA adapter kept in {kept}", err) from err
     model = place(model, None if device is None else str(device))
     enable_where_available(model)
     return model.eval()

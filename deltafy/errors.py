@@ -3,6 +3,9 @@
 Both live in the modeling file, which a checkpoint carries and runs where deltafy is not installed:
 the errors it raises there are the ones deltafy raises, and its messages need no marking."""
 
+import re
+import sys
+
 from .modeling_deltafy import DeltafyError, first_line
 
 
@@ -16,4 +19,28 @@ class Interrupted(DeltafyError):
         self.signum = signum
 
 
-__all__ = ["DeltafyError", "Interrupted", "first_line"]
+_NO_MEMORY = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """For an allocation the machine refused (torch's OutOfMemoryError on a GPU, the CPU allocator's
+    RuntimeError, Python's MemoryError): "out of [GPU ]memory", with what was asked for where the message
+    says; for anything else None. It is the work's size, not a bug or a bad file."""
+    if not (isinstance(err, MemoryError) or isinstance(err, RuntimeError) and _NO_MEMORY.search(str(err))):
+        return None
+    torch = sys.modules.get("torch")  # (a torch error comes from a loaded torch)
+    where = "GPU " if torch is not None and isinstance(err, torch.OutOfMemoryError) else ""
+    asked = re.search(r"(?i)tried to allocate ([^.]+(?:\.\d+ \w+)?)", str(err))
+    asked = asked and re.sub(r"^(\d+) bytes$", lambda m: f"{int(m[1]) / 2**30:,.1f} GiB", asked[1])
+    return f"out of {where}memory{f' (it tried to allocate {asked})' if asked else ''}"
+
+
+def load_failure(message: str, err: BaseException) -> DeltafyError:
+    """What a load that raised ``err`` reports: ``message`` with the error's first line, or with the memory
+    that ran out (no flag lowers what holding the weights takes)."""
+    if (memory := out_of_memory(err)) is not None:
+        return DeltafyError(f"{message}: {memory}; free memory or use a machine with more")
+    return DeltafyError(f"{message}: {first_line(err)}")
+
+
+__all__ = ["DeltafyError", "Interrupted", "first_line", "load_failure", "out_of_memory"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 
 import click
@@ -10,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from .. import interrupts
-from ..errors import DeltafyError, Interrupted, first_line
+from ..errors import DeltafyError, Interrupted, first_line, out_of_memory
 from ._console import console, err_console, state
 from ._options import OFF, described
 from .bench import bench_command
@@ -148,22 +147,14 @@ _LESS_MEMORY = {
     "bench": "lower --batch-size or --seq-len",
     "convert": "convert with --streaming (a decoder layer at a time) on the CPU (no --device)",
 }
-_NO_MEMORY = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
 
 
 def _out_of_memory(err: Exception, args: list[str]) -> str | None:
-    """The one line for an allocation the machine refused (torch's OutOfMemoryError on a GPU, the CPU
-    allocator's RuntimeError, Python's MemoryError), which is the run's size, not a bug: with what
-    to lower, else None."""
-    if not (isinstance(err, MemoryError) or isinstance(err, RuntimeError) and _NO_MEMORY.search(str(err))):
+    """The one line for an allocation the machine refused, with what lowers the command's memory; else None."""
+    if (line := out_of_memory(err)) is None:
         return None
-    torch = sys.modules.get("torch")  # (a torch error comes from a loaded torch)
-    where = "GPU " if torch is not None and isinstance(err, torch.OutOfMemoryError) else ""
-    asked = re.search(r"(?i)tried to allocate ([^.]+(?:\.\d+ \w+)?)", str(err))
-    asked = asked and re.sub(r"^(\d+) bytes$", lambda m: f"{int(m[1]) / 2**30:,.1f} GiB", asked[1])
     command = next((arg for arg in args if not arg.startswith("-")), "")
-    hint = _LESS_MEMORY.get(command, "free memory, or run it on a machine with more")
-    return f"out of {where}memory{f' (it tried to allocate {asked})' if asked else ''}: {hint}"
+    return f"{line}: {_LESS_MEMORY.get(command, 'free memory, or run it on a machine with more')}"
 
 
 def _by_the_interrupt(err: Exception) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..architectures import layout_for
-from ..errors import DeltafyError, first_line
+from ..errors import DeltafyError, first_line, load_failure
 from ..quiet import quiet_transformers
 from .provenance import card_license, gguf_provenance, hub_license, local_provenance, sha256_file, with_license
 
@@ -166,8 +166,8 @@ def _load_pretrained(location: str, what: str, dtype: str, **kwargs) -> Source:
             )
         except DeltafyError:
             raise
-        except Exception as err:  # safetensors, torch and OS errors all mean "bad weights" here
-            raise DeltafyError(f"could not load the weights of {what}: {first_line(err)}") from err
+        except Exception as err:  # safetensors, torch and OS errors: bad weights, unless memory ran out
+            raise load_failure(f"could not load the weights of {what}", err) from err
         missing = [k for k in info.get("missing_keys", ()) if k]
         if missing:
             raise DeltafyError(
@@ -215,7 +215,7 @@ def _read_gguf(path: Path, what):
     except DeltafyError:
         raise
     except Exception as err:
-        raise DeltafyError(f"could not read {path} as a GGUF model: {first_line(err)}") from err
+        raise load_failure(f"could not read {path} as a GGUF model", err) from err
 
 
 def gguf_cache(path: Path) -> tuple[Path | None, str]:

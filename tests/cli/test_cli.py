@@ -431,6 +431,30 @@ def test_running_out_of_memory_is_an_error_that_says_what_to_lower(command, monk
         main(["--debug", *map(str, args)])
 
 
+def test_running_out_of_memory_while_loading_says_so_not_that_the_weights_are_bad(monkeypatch, capsys, tmp_path):
+    """An allocation refused while a model loads is the machine's memory, not bad weights: it was reported as
+    "could not load ...: [enforce fail at alloc_cpu.cpp:...] ...", now as memory, with no batch flag to lower.
+    The refusal is the allocator's own, injected into deltafy's check of the stored heads, inside the load."""
+    from deltafy import checkpoint
+    from deltafy.cli import main
+
+    delta = deltafy.save(deltafy.convert(tiny_model("llama-tied")), tmp_path / "delta")
+    tiny_tokenizer().save_pretrained(delta)
+    text = tmp_path / "text.txt"
+    text.write_text("the capital of france is once upon a time deep learning " * 50)
+
+    def too_big(folder, skeleton):
+        torch.empty(1 << 50, dtype=torch.uint8)
+
+    monkeypatch.setattr(checkpoint, "_check_stored_heads", too_big)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", str(delta), "--data", str(text), "--seq-len", "16"])
+    assert exit_info.value.code == 1
+    line = assert_one_line_error(SimpleNamespace(returncode=1, stdout="", stderr=capsys.readouterr().err))
+    memory = "out of memory (it tried to allocate 1,048,576.0 GiB); free memory or use a machine with more"
+    assert line == f"error: could not load {delta}: {memory}", line
+
+
 def test_a_gpu_out_of_memory_error_is_named_so():
     """torch's OutOfMemoryError (a GPU's; none here to raise it) is told from the CPU's, with what it asked for."""
     from deltafy.cli._app import _out_of_memory
