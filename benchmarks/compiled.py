@@ -33,6 +33,7 @@ import time
 
 import torch
 from benchmark_models import SMOLLM2, cache_kwarg, open_gates  # (benchmarks/ is on a script's path)
+from kernel_count import set_trainable
 
 
 def llama(**shape):
@@ -85,31 +86,46 @@ def triton_codegen_only(kernels: list):
 
 
 def count_kernels(model, phase: str) -> tuple[int, int]:
-    """(Triton kernels, extern calls) inductor writes for ``phase`` ("decode" or "prefill") of ``model``."""
+    """(Triton kernels, extern calls) inductor writes for ``phase`` of ``model``: "decode", "prefill", or
+    "train" (forward with the loss and its backward, heads-only as kernel_count.py sets it up)."""
+    import torch._functorch.config as functorch_config
     from torch._dynamo.utils import counters
 
     kernels = []
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model)
-    if phase == "decode":
-        step = decode_step(model)
+    ids = torch.randint(0, 1000, (4, 1024), generator=torch.Generator().manual_seed(0))
+    if phase == "train":
+        model = copy.deepcopy(model)
+        converted = any(type(m).__name__ == "DeltaSite" for m in model.modules())
+        set_trainable(model, "heads" if converted else "full")  # (the heads in fp32, as deltafy train holds them)
+        if not converted:  # the base frozen, the backward through every layer for the activations' gradients
+            model.requires_grad_(False)
+        embeds = model.get_input_embeddings()(ids[:2, :256]).detach().requires_grad_(not converted)
+        step = {"inputs_embeds": embeds, "labels": ids[:2, :256], "use_cache": False}
     else:
-        step = {"input_ids": torch.randint(0, 1000, (4, 1024), generator=torch.Generator().manual_seed(0))}
-    with triton_codegen_only(kernels), torch.no_grad():
+        step = decode_step(model) if phase == "decode" else {"input_ids": ids}
+    compiled = torch.compile(model)
+    # the backward is written with the forward, not at the first backward (which the unrun forward never reaches)
+    backward = functorch_config.patch(force_non_lazy_backward_lowering=True)
+    grad = torch.enable_grad() if phase == "train" else torch.no_grad()
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=phase == "train")
+    with triton_codegen_only(kernels), backward, grad, autocast:
         try:
             compiled(**step)
         except Exception as err:  # the step runs the kernels it did not compile: expected, once code was written
             if not kernels:
                 raise
             del err
+    if breaks := counters["graph_break"]:
+        raise SystemExit(f"{phase}: a graph break ({next(iter(breaks))}); counts would mislead")
     if counters["stats"]["unique_graphs"] != 1:
         raise SystemExit(f"{phase}: {counters['stats']['unique_graphs']} graphs (a graph break?); counts would mislead")
     # (a compile after the first in a process hands each kernel over twice: a kernel is its name in the graph)
     return len({name for name, _ in kernels}), counters["inductor"]["extern_calls"]
 
 
-PHASES = {"decode": "decode step, batch 1", "prefill": "prefill 4x1024"}
+PHASES = {"decode": "decode step, batch 1", "prefill": "prefill 4x1024", "train": "train step 2x256, heads"}
 
 
 def kernels_table(recipe: str, phases=tuple(PHASES)) -> dict:
@@ -191,7 +207,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("kernels", "host"), help="one part only")
     parser.add_argument("--recipe", default="ddl-scalar")
-    parser.add_argument("--phases", default="decode,prefill", help="of the kernels' part: decode, prefill")
+    parser.add_argument("--phases", default="decode,prefill,train", help="of the kernels' part: decode, prefill, train")
     parser.add_argument("--layers", type=int, default=30, help="layers of the host's model (SmolLM2 has 30)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="decode steps a round (host)")
