@@ -3,10 +3,12 @@ a GPU, and what a compiled decode step costs the host. Original vs converted; it
 
     python benchmarks/compiled.py                     # both parts, recipe ddl-scalar
     python benchmarks/compiled.py --only kernels --recipe ddl-learned
+    python benchmarks/compiled.py --only kernels --model gpt2
     python benchmarks/compiled.py --only host --rounds 9
 
-kernels  A random Llama of SmolLM2-135M's shape, 2 layers, bf16, compiled (default mode) for a batch-1 decode
-         step with the KV cache and for a 4x1024 prefill. inductor is told to write its CPU graphs as Triton
+kernels  A random Llama of SmolLM2-135M's shape (--model gpt2: GPT-2 124M's), 2 layers, bf16, compiled (default
+         mode) for a batch-1 decode step with the KV cache, a 4x1024 prefill and a heads-only training step
+         (forward with the loss, backward, under bf16 autocast). inductor is told to write its CPU graphs as Triton
          code (cpu_backend="triton"), which is the scheduling and fusion it does for a GPU, and each kernel's
          source is collected as inductor hands it to Triton to compile; nothing is compiled or run (that needs
          a GPU), so the step then fails, as expected, and the count is of the code inductor wrote. "extern" are
@@ -41,6 +43,18 @@ def llama(**shape):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOLLM2, **shape})).eval()
+
+
+def two_layers(name: str):
+    """SmolLM2-135M's shape or GPT-2 124M's, random weights, 2 layers, bf16."""
+    if name == "smollm2":
+        return llama(num_hidden_layers=2).to(torch.bfloat16)
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2)).to(torch.bfloat16).eval()
+    model.loss_type = "ForCausalLM"  # (a GPT2LMHeadModel has none: a warning inside the forward, a graph break)
+    return model
 
 
 def converted(model, recipe: str):
@@ -128,12 +142,13 @@ def count_kernels(model, phase: str) -> tuple[int, int]:
 PHASES = {"decode": "decode step, batch 1", "prefill": "prefill 4x1024", "train": "train step 2x256, heads"}
 
 
-def kernels_table(recipe: str, phases=tuple(PHASES)) -> dict:
+def kernels_table(recipe: str, phases=tuple(PHASES), name: str = "smollm2") -> dict:
     """Prints and returns {phase: ((Triton kernels, extern calls) original, (...) converted)}."""
-    original = llama(num_hidden_layers=2).to(torch.bfloat16)
+    original = two_layers(name)
     model = converted(original, recipe)
     sites = sum(type(m).__name__ == "DeltaSite" for m in model.modules())
-    print(f"kernels inductor writes (Triton, for a GPU) · SmolLM2-135M shape, 2 layers ({sites} sites), bf16, {recipe}")
+    shape = {"smollm2": "SmolLM2-135M", "gpt2": "GPT-2 124M"}[name]
+    print(f"kernels inductor writes (Triton, for a GPU) · {shape} shape, 2 layers ({sites} sites), bf16, {recipe}")
     print(f"{'phase':<24}{'original':>16}{'converted':>16}")
     counts = {}
     for phase in phases:
@@ -207,6 +222,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("kernels", "host"), help="one part only")
     parser.add_argument("--recipe", default="ddl-scalar")
+    parser.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2", help="of the kernels' part")
     parser.add_argument("--phases", default="decode,prefill,train", help="of the kernels' part: decode, prefill, train")
     parser.add_argument("--layers", type=int, default=30, help="layers of the host's model (SmolLM2 has 30)")
     parser.add_argument("--rounds", type=int, default=7)
@@ -219,7 +235,7 @@ def main(argv=None) -> None:
     # two models share the forward's code object, whose compiled entries (3 a model) count against this limit
     with torch._dynamo.config.patch(recompile_limit=64):
         if args.only != "host":
-            kernels_table(args.recipe, phases)
+            kernels_table(args.recipe, phases, args.model)
         if args.only != "kernels":
             host_table(args.recipe, args.rounds, args.steps, args.layers)
 
