@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DeltafyError
+from ..errors import DeltafyError, out_of_memory
 from ..files import HEADS_FILE, STAGING_DIR  # HEADS_FILE: also the trained heads in a checkpoint (save_trainable)
 from ..sources.folders import readable
 from .launch import is_main_process
@@ -119,14 +119,17 @@ def publish(staged: Path, final: Path) -> None:
 
 
 def write_failure(err: BaseException, what: str, state_dir: Path, need: int | None = None) -> DeltafyError | None:
-    """One line for a failed write (a full disk, a file-size limit), naming what is still usable."""
+    """One line for a failed write (a full disk, a file-size limit, memory running out while the model is
+    gathered or saved), naming what is still usable."""
     from ..sources.folders import FULL_DISK, write_error
 
-    reason = write_error(err, state_dir, need)
+    memory = out_of_memory(err)
+    reason = write_error(err, state_dir, need) or memory
     if reason is None:
         return None
     usable, _ = newest_complete(state_dir)
-    rerun = "free space and rerun with --resume" if reason.startswith(FULL_DISK) else "rerun with --resume"
+    first = "free space and " if reason.startswith(FULL_DISK) else "free memory and " if memory else ""
+    rerun = f"{first}rerun with --resume"
     keep = f"{usable} is still usable: {rerun}" if usable else "no checkpoint was saved"
     return DeltafyError(f"could not write {what}: {reason}; {keep}")
 

@@ -482,6 +482,27 @@ def test_a_failed_torch_save_is_a_failed_write(tmp_path):
     assert write_failure(RuntimeError("shape mismatch"), "checkpoint X", tmp_path) is None
 
 
+def test_memory_running_out_while_the_model_is_written_says_what_is_kept(tmp_path):
+    """An allocation refused while a run's model is gathered or saved is not its batch size: the line names the
+    memory and what is still usable, as for a full disk (the refusal is the CPU allocator's own)."""
+    import torch
+
+    from deltafy.training.checkpoints import write_failure
+
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)
+    except RuntimeError as refused:
+        err = refused
+    memory = "could not write the model into out: out of memory (it tried to allocate 1,048,576.0 GiB)"
+    assert str(write_failure(err, "the model into out", tmp_path)) == f"{memory}; no checkpoint was saved"
+    checkpoint = tmp_path / "checkpoint-3"  # a complete one: what a resume needs
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "scheduler.pt", "optimizer.pt", "deltafy_heads.safetensors"):
+        (checkpoint / name).write_text("{}")
+    kept = f"{memory}; {checkpoint} is still usable: free memory and rerun with --resume"
+    assert str(write_failure(err, "the model into out", tmp_path)) == kept
+
+
 # -- training-side checks and output ------------------------------------------------------------------
 
 
