@@ -1,6 +1,7 @@
-"""The one exception type whose message is shown to users as-is, and the one way to quote another's.
+"""The one exception type whose message is shown to users as-is, the one way to quote another's, and how an
+allocation the machine refused reads (the work's size: neither a bug nor a bad file).
 
-Both live in the modeling file, which a checkpoint carries and runs where deltafy is not installed:
+The first two live in the modeling file, which a checkpoint carries and runs where deltafy is not installed:
 the errors it raises there are the ones deltafy raises, and its messages need no marking."""
 
 import re

@@ -119,8 +119,8 @@ def publish(staged: Path, final: Path) -> None:
 
 
 def write_failure(err: BaseException, what: str, state_dir: Path, need: int | None = None) -> DeltafyError | None:
-    """One line for a failed write (a full disk, a file-size limit, memory running out while the model is
-    gathered or saved), naming what is still usable."""
+    """One line for a failed write (a full disk, a file-size limit, memory running out while it was written),
+    naming what is still usable."""
     from ..sources.folders import FULL_DISK, write_error
 
     memory = out_of_memory(err)
