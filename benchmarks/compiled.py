@@ -35,7 +35,7 @@ import time
 
 import torch
 from benchmark_models import SMOLLM2, cache_kwarg, open_gates  # (benchmarks/ is on a script's path)
-from kernel_count import set_trainable
+from kernel_count import n_sites, set_trainable
 
 
 def llama(**shape):
@@ -111,7 +111,7 @@ def count_kernels(model, phase: str) -> tuple[int, int]:
     ids = torch.randint(0, 1000, (4, 1024), generator=torch.Generator().manual_seed(0))
     if phase == "train":
         model = copy.deepcopy(model)
-        heads = any(type(m).__name__ == "DeltaSite" for m in model.modules())
+        heads = n_sites(model) > 0
         if heads:
             set_trainable(model, "heads")  # (in fp32, as deltafy train holds them)
         else:  # every weight frozen; the input requires a gradient, so the backward runs through every layer
@@ -146,7 +146,7 @@ def kernels_table(recipe: str, phases=tuple(PHASES), name: str = "smollm2") -> d
     """Prints and returns {phase: ((Triton kernels, extern calls) original, (...) converted)}."""
     original = two_layers(name)
     model = converted(original, recipe)
-    sites = sum(type(m).__name__ == "DeltaSite" for m in model.modules())
+    sites = n_sites(model)
     shape = {"smollm2": "SmolLM2-135M", "gpt2": "GPT-2 124M"}[name]
     print(f"kernels inductor writes (Triton, for a GPU) · {shape} shape, 2 layers ({sites} sites), bf16, {recipe}")
     print(f"{'phase':<24}{'original':>16}{'converted':>16}")
@@ -190,7 +190,7 @@ def host_table(recipe: str, rounds: int, steps: int, layers: int = 30) -> None:
     width = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     original = llama(num_hidden_layers=layers, **width)
     models = {"original": original, "converted": converted(original, recipe)}
-    sites = sum(type(m).__name__ == "DeltaSite" for m in models["converted"].modules())
+    sites = n_sites(models["converted"])
     runs, trees = {}, {}
     with torch.no_grad():
         for name, model in models.items():
