@@ -189,12 +189,24 @@ def _skip_shared_memory_kernel() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+# The last barrier's work, kept until the interpreter ends (see leave_process_group).
+_LAST_BARRIER: list = []
+
+
 def leave_process_group() -> None:
     """In a distributed run, every rank waits for the main process to write the model, then leaves
-    the process group: a gloo group left to interpreter shutdown can abort its process (SIGABRT,
-    "terminate called without an active exception"), which fails the whole torchrun job."""
+    the process group. The barrier's work stays referenced until the interpreter ends: a gloo worker
+    thread drops its own reference just after the barrier completes, and had it the last one, it would
+    free the work's tensor from that thread, taking the GIL; once the interpreter is shutting down,
+    that ends the thread inside a C++ destructor, and the process aborts (SIGABRT, "terminate called
+    without an active exception"), failing the whole torchrun job after the model was written.
+    destroy_process_group alone does not prevent it: under FSDP the group outlives it, held by the
+    device mesh that DTensor's caches keep."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        barrier = dist.barrier(async_op=True)
+        if barrier is not None:  # (None: a backend that waited in the call)
+            barrier.wait()
+            _LAST_BARRIER.append(barrier)
         dist.destroy_process_group()
