@@ -4,7 +4,7 @@ a GPU, and what a compiled decode step costs the host. Original vs converted; it
     python benchmarks/compiled.py                     # both parts, recipe ddl-scalar
     python benchmarks/compiled.py --only kernels --recipe ddl-learned
     python benchmarks/compiled.py --only kernels --model gpt2
-    python benchmarks/compiled.py --only host --rounds 9
+    python benchmarks/compiled.py --only host --rounds 9 --packed
 
 kernels  A random Llama of SmolLM2-135M's shape (--model gpt2: GPT-2 124M's), 2 layers, bf16, compiled (default
          mode) for a batch-1 decode step with the KV cache, a 4x1024 prefill and a heads-only training step
@@ -20,7 +20,9 @@ host     A random Llama with SmolLM2's 30 layers but a width of 64, compiled, de
          parameter and attribute the forward read, fetching the graph's inputs, inductor's wrapper). Also the
          guard tree of the decode step's compiled entry: its nodes, and one evaluation of it timed alone.
          Under CUDA graphs (mode="reduce-overhead") the kernels are replayed in one launch, and this is what
-         is left for the host to do per token.
+         is left for the host to do per token. --packed adds the converted model with each site's five head
+         tensors packed into one parameter that the forward slices (the same logits, checked): what one
+         graph input a site instead of five would save, which no checkpoint format of deltafy's does yet.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import argparse
 import contextlib
 import copy
 import inspect
+import itertools
+import math
 import statistics
 import sys
 import time
@@ -184,12 +188,55 @@ def frame_locals(model, step: dict) -> dict:
     return values
 
 
-def host_table(recipe: str, rounds: int, steps: int, layers: int = 30) -> None:
+class _Slices:
+    """Stands for a site's gate or target: its weight and bias sliced from the site's one parameter at each read."""
+
+    def __init__(self, site, name: str):
+        self.site, self.name = site, name
+
+    weight = property(lambda self: self.site.slice(f"{self.name}.weight"))
+    bias = property(lambda self: self.site.slice(f"{self.name}.bias"))
+
+
+def one_parameter_a_site(model):
+    """``model`` (converted, in place) with each site's gate, target and alpha packed into one Parameter that the
+    forward slices: the same arithmetic with one graph input a site where there were five. Not a checkpoint
+    format deltafy writes: it measures what such a format would save a compiled step's host."""
+    from deltafy.modeling_deltafy import DeltaSite
+
+    class PackedSite(DeltaSite):
+        strength = property(lambda self: self.slice("strength") if "strength" in self.layout else None)
+
+        def slice(self, name: str) -> torch.Tensor:
+            start, shape = self.layout[name]
+            return self.packed[start : start + math.prod(shape)].view(shape)
+
+    for site in [module for module in model.modules() if type(module) is DeltaSite]:
+        heads = {f"{m}.{p}": getattr(getattr(site, m), p) for m in ("gate", "target") for p in ("weight", "bias")}
+        heads |= {"strength": site.strength} if site.strength is not None else {}
+        offsets = itertools.accumulate((t.numel() for t in heads.values()), initial=0)
+        layout = {name: (start, tuple(t.shape)) for (name, t), start in zip(heads.items(), offsets, strict=False)}
+        packed = torch.nn.Parameter(torch.cat([t.detach().reshape(-1) for t in heads.values()]))
+        del site._modules["gate"], site._modules["target"]
+        site._parameters.pop("strength", None)
+        site.__class__, site.packed, site.layout = PackedSite, packed, layout
+        object.__setattr__(site, "gate", _Slices(site, "gate"))  # (not a module: nn.Module would register it)
+        object.__setattr__(site, "target", _Slices(site, "target"))
+    return model
+
+
+def host_table(recipe: str, rounds: int, steps: int, layers: int = 30, packed: bool = False) -> None:
     torch._dynamo.reset()  # (a step of the kernels' part raised on purpose: its code would be skipped from then on)
     torch.set_num_threads(1)
     width = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     original = llama(num_hidden_layers=layers, **width)
     models = {"original": original, "converted": converted(original, recipe)}
+    if packed:
+        models["1 param/site"] = one_parameter_a_site(copy.deepcopy(models["converted"]))
+        with torch.no_grad():
+            same = [model(**decode_step(model)).logits for model in list(models.values())[1:]]
+        if not torch.equal(*same):
+            raise SystemExit("the heads packed into one parameter a site do not give the converted model's logits")
     sites = n_sites(models["converted"])
     runs, trees = {}, {}
     with torch.no_grad():
@@ -206,16 +253,20 @@ def host_table(recipe: str, rounds: int, steps: int, layers: int = 30) -> None:
                     compiled(**step)
                 times.append((time.perf_counter() - start) / steps * 1e6)
     print(f"compiled decode step on the host · {layers} layers of width 64 ({sites} sites), fp32, {recipe}, 1 thread")
-    print(f"{'':<28}{'original':>12}{'converted':>12}{'extra a site':>14}")
-    o, c = (statistics.median(r[2]) for r in runs.values())
-    print(f"{'µs a token (median)':<28}{o:>12.0f}{c:>12.0f}{(c - o) / sites:>14.1f}")
-    (n0, t0), (n1, t1) = trees["original"], trees["converted"]
-    print(f"{'guard tree, nodes':<28}{n0:>12}{n1:>12}{(n1 - n0) / sites:>14.1f}")
-    print(f"{'guard tree, µs to evaluate':<28}{t0:>12.0f}{t1:>12.0f}{(t1 - t0) / sites:>14.2f}")
-    spread = {name: f"{min(r[2]):.0f}–{max(r[2]):.0f}" for name, r in runs.items()}
-    print(
-        f"({rounds} rounds of {steps} steps; range: original {spread['original']}, converted {spread['converted']} µs)"
-    )
+    names = list(models)
+    extra = [f"extra a site{' (' + name + ')' if len(names) > 2 else ''}" for name in names[1:]]
+    print(f"{'':<28}" + "".join(f"{name:>14}" for name in names) + "".join(f"{e:>28}" for e in extra))
+    rows = {
+        "µs a token (median)": ({n: statistics.median(runs[n][2]) for n in names}, "{:.0f}", "{:.1f}"),
+        "guard tree, nodes": ({n: trees[n][0] for n in names}, "{}", "{:.1f}"),
+        "guard tree, µs to evaluate": ({n: trees[n][1] for n in names}, "{:.0f}", "{:.2f}"),
+    }
+    for label, (values, cell, per_site) in rows.items():
+        line = "".join(f"{cell.format(values[n]):>14}" for n in names)
+        line += "".join(f"{per_site.format((values[n] - values['original']) / sites):>28}" for n in names[1:])
+        print(f"{label:<28}{line}")
+    spread = ", ".join(f"{name} {min(r[2]):.0f}–{max(r[2]):.0f}" for name, r in runs.items())
+    print(f"({rounds} rounds of {steps} steps; range: {spread} µs)")
 
 
 def main(argv=None) -> None:
@@ -227,6 +278,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=30, help="layers of the host's model (SmolLM2 has 30)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=40, help="decode steps a round (host)")
+    parser.add_argument(
+        "--packed", action="store_true", help="host: also the converted model with one parameter a site (see above)"
+    )
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}")
     phases = tuple(args.phases.split(","))
@@ -237,7 +291,7 @@ def main(argv=None) -> None:
         if args.only != "host":
             kernels_table(args.recipe, phases, args.model)
         if args.only != "kernels":
-            host_table(args.recipe, args.rounds, args.steps, args.layers)
+            host_table(args.recipe, args.rounds, args.steps, args.layers, args.packed)
 
 
 if __name__ == "__main__":

@@ -220,15 +220,16 @@ def test_compiled_sites_fuse_into_the_kernels_around_them():
     """inductor's Triton code for a compiled decode step of a converted tiny SmolLM2 holds the original's
     kernels and no more (each site's reductions and write fuse into the norm and the residual add beside it),
     and the host part measures both models and their guards."""
-    stdout = _run("compiled.py", "--phases", "decode", "--layers", "2", "--rounds", "1", "--steps", "2")
+    stdout = _run("compiled.py", "--phases", "decode", "--layers", "2", "--rounds", "1", "--steps", "2", "--packed")
     (original, converted) = _kernel_rows(stdout)["decode step, batch 1"]
     assert original[0] > 0 and original[1] > 0, stdout
     assert converted == original, stdout
     host = stdout[stdout.index("compiled decode step on the host") :].splitlines()
     cells = {line[:28].strip(): line[28:].split() for line in host[2:5]}
     assert all(float(v) > 0 for v in cells["µs a token (median)"][:2]), host
-    nodes = [int(v) for v in cells["guard tree, nodes"][:2]]
+    nodes = [int(v) for v in cells["guard tree, nodes"][:3]]
     assert 0 < nodes[0] < nodes[1], host  # the heads and the site calls are guarded too
+    assert nodes[0] < nodes[2] < nodes[1], host  # one parameter a site: fewer guarded tensors (same logits, checked)
 
 
 def test_compiled_learned_direction_adds_its_two_matmuls_a_site():
