@@ -36,12 +36,16 @@ def out_of_memory(err: BaseException) -> str | None:
     return f"out of {where}memory{f' (it tried to allocate {asked})' if asked else ''}"
 
 
+# What to do where no option of the command lowers the memory it needs
+MORE_MEMORY = "free memory or use a machine with more"
+
+
 def load_failure(message: str, err: BaseException) -> DeltafyError:
     """What a load that raised ``err`` reports: ``message`` with the error's first line, or with the memory
     that ran out (no flag lowers what holding the weights takes)."""
     if (memory := out_of_memory(err)) is not None:
-        return DeltafyError(f"{message}: {memory}; free memory or use a machine with more")
+        return DeltafyError(f"{message}: {memory}; {MORE_MEMORY}")
     return DeltafyError(f"{message}: {first_line(err)}")
 
 
-__all__ = ["DeltafyError", "Interrupted", "first_line", "load_failure", "out_of_memory"]
+__all__ = ["MORE_MEMORY", "DeltafyError", "Interrupted", "first_line", "load_failure", "out_of_memory"]

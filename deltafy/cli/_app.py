@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from .. import interrupts
-from ..errors import DeltafyError, Interrupted, first_line, out_of_memory
+from ..errors import MORE_MEMORY, DeltafyError, Interrupted, first_line, out_of_memory
 from ._console import console, err_console, state
 from ._options import OFF, described
 from .bench import bench_command
@@ -154,7 +154,7 @@ def _out_of_memory(err: Exception, args: list[str]) -> str | None:
     if (line := out_of_memory(err)) is None:
         return None
     command = next((arg for arg in args if not arg.startswith("-")), "")
-    return f"{line}: {_LESS_MEMORY.get(command, 'free memory, or run it on a machine with more')}"
+    return f"{line}: {_LESS_MEMORY.get(command, MORE_MEMORY)}"
 
 
 def _by_the_interrupt(err: Exception) -> bool:

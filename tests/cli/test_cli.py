@@ -466,6 +466,8 @@ def test_a_gpu_out_of_memory_error_is_named_so():
     line = _out_of_memory(err, ["--debug", "eval", "x"])
     lower = "lower --batch-size or --seq-len, or evaluate on another --device"
     assert line == f"out of GPU memory (it tried to allocate 2.00 GiB): {lower}", line
+    line = _out_of_memory(err, ["inspect", "x"])  # no option lowers what it needs: the loaders' advice
+    assert line == "out of GPU memory (it tried to allocate 2.00 GiB): free memory or use a machine with more", line
     assert _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ["eval"]) is None
 
 
