@@ -17,6 +17,7 @@ from ..errors import DeltafyError, out_of_memory
 from ..files import HEADS_FILE, STAGING_DIR  # HEADS_FILE: also the trained heads in a checkpoint (save_trainable)
 from ..sources.folders import readable
 from .launch import is_main_process
+from .sharding import barrier
 
 KEEP_CHECKPOINTS = 2
 TRAINER_STATE = "trainer_state.json"
@@ -166,7 +167,7 @@ def atomic_trainer():
             try:
                 super()._save_checkpoint(model, trial)
                 if dist.is_available() and dist.is_initialized():
-                    dist.barrier()  # every rank has written its RNG state into the staged folder
+                    barrier()  # every rank has written its RNG state into the staged folder
                 if self.args.should_save:
                     publish(staged, root / name)
             except BaseException as err:

@@ -189,24 +189,31 @@ def _skip_shared_memory_kernel() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-# The last barrier's work, kept until the interpreter ends (see leave_process_group).
+# The work of a run's latest barrier, kept until the next one or the interpreter's end (see barrier).
 _LAST_BARRIER: list = []
 
 
+def barrier() -> None:
+    """dist.barrier(), its work kept referenced until the next barrier or the interpreter's end. A gloo
+    worker thread drops its own reference just after the barrier completes; had it the last one, it would
+    free the work's tensor from that thread, taking the GIL, and once the interpreter is shutting down that
+    ends the thread inside a C++ destructor: the process aborts (SIGABRT, "terminate called without an
+    active exception"). A rank exits right after its last barrier (after the model was written, or a stop's
+    checkpoint), and under FSDP the group outlives destroy_process_group, held by the device mesh that
+    DTensor's caches keep, so its threads are still running then."""
+    import torch.distributed as dist
+
+    work = dist.barrier(async_op=True)
+    if work is not None:  # (None: a backend that waited in the call)
+        work.wait()
+        _LAST_BARRIER[:] = [work]
+
+
 def leave_process_group() -> None:
-    """In a distributed run, every rank waits for the main process to write the model, then leaves
-    the process group. The barrier's work stays referenced until the interpreter ends: a gloo worker
-    thread drops its own reference just after the barrier completes, and had it the last one, it would
-    free the work's tensor from that thread, taking the GIL; once the interpreter is shutting down,
-    that ends the thread inside a C++ destructor, and the process aborts (SIGABRT, "terminate called
-    without an active exception"), failing the whole torchrun job after the model was written.
-    destroy_process_group alone does not prevent it: under FSDP the group outlives it, held by the
-    device mesh that DTensor's caches keep."""
+    """In a distributed run, every rank waits for the main process to write the model, then leaves the
+    process group."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        barrier = dist.barrier(async_op=True)
-        if barrier is not None:  # (None: a backend that waited in the call)
-            barrier.wait()
-            _LAST_BARRIER.append(barrier)
+        barrier()
         dist.destroy_process_group()
