@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import DeltafyError, first_line
 from ..modeling_deltafy import apply_deltafy, disabled, discard_captures, first_input
 from ..options import SELF_CHECK_TOLERANCE
+from ..placement import input_device
 
 PROMPTS = (
     "The capital of France is",
@@ -73,8 +74,8 @@ class CheckReport:
 
 def make_inputs(model: nn.Module, tokenizer=None, prompts=PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """A small left-padded batch: real prompts when a tokenizer is at hand, random ids otherwise.
-    On the model's device, or the CPU for a model on the meta device (run by deltafy.conversion.lazy)."""
-    device = next(model.parameters()).device
+    Where its input embeddings compute, or the CPU for a model on the meta device (run by deltafy.conversion.lazy)."""
+    device = input_device(model)
     if device.type == "meta":
         device = torch.device("cpu")
     if tokenizer is not None:
