@@ -483,7 +483,7 @@ def test_a_failed_torch_save_is_a_failed_write(tmp_path):
 
 
 def test_memory_running_out_while_the_model_is_written_says_what_is_kept(tmp_path):
-    """An allocation refused while a run's model is gathered or saved is not its batch size: the line names the
+    """An allocation refused while a run's model is saved is not its batch size: the line names the
     memory and what is still usable, as for a full disk (the refusal is the CPU allocator's own)."""
     import torch
 
