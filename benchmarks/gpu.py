@@ -33,6 +33,9 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     `deltafy train` holds them: the heads and LoRA's adapters in fp32 on the frozen base
                     (bf16), the step under bf16 autocast; full fine-tuning trains the bf16 weights as they
                     are (its cheapest form: no fp32 master copy).
+  train step compiled
+                    the same arms under torch.compile (default mode), as `deltafy train --compile` runs
+                    them: full FT, LoRA r=8 and heads-only (the fused path traces the formula there).
   train memory      peak of a step: the variant's own weights, buffers and optimizer state plus the step's
                     peak allocation above what was allocated when it began (so the other variants that
                     are resident do not count), GiB; CUDA only.
@@ -43,10 +46,11 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     targets there: reference <= 1.8x, fused <= 1.15x.
 "ratio" is variant/baseline. A cell that fails prints error (its first line is listed under the table) and
 the run goes on; --deadline (GPU default 440 s) stops it, printing what it has, so that it never hangs. The
-compiled rows run after every eager one, batch-1 decode first; one that would start after --budget seconds
-(default 0.72 x the deadline) is skipped, and a variant that recompiles while timed is reported, not timed.
+compiled rows run after every eager one: batch-1 decode, prefill, the training step, the other batches; one
+that would start after --budget seconds (default 0.72 x the deadline) is skipped, and a variant that
+recompiles while timed is reported, not timed.
 Targets: prefill >= 0.97x; batch-1 decode >= 0.90x eager and >= 0.95x compiled; heads-only training step
-<= 0.60x full fine-tuning and <= 1.1x LoRA r=8; peak training memory <= 1.1x LoRA r=8.
+<= 0.60x full fine-tuning and <= 1.1x LoRA r=8 (eager and compiled); peak training memory <= 1.1x LoRA r=8.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ import warnings
 
 import torch
 from benchmark_models import fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
-from gpu_table import COLUMNS, LABELS, MEASURES, TRAIN_MEASURES, Table, finite_json
+from gpu_table import COLUMNS, LABELS, MEASURES, TRAIN_COMPILED, TRAIN_MEASURES, Table, finite_json
 from gpu_timing import Bench, Shapes, first_line
 from kernel_count import decode_kernels
 
@@ -92,6 +96,9 @@ LLAMA_TINY = dict(
     vocab_size=128,
     max_position_embeddings=512,
 )
+
+
+TRACED = "under torch.compile the fused path traces the formula: the reference column"
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -172,7 +179,7 @@ class ModelRun:
 
     def compiled_columns(self, per_variant: dict) -> dict:
         out = self.by_column(per_variant)
-        out.setdefault("fused", "under torch.compile the fused path traces the formula: the reference column")
+        out.setdefault("fused", TRACED)
         return out
 
     def eager(self) -> None:
@@ -186,7 +193,8 @@ class ModelRun:
         b.run(name, "kernels decode b1", lambda: {"kernels decode b1": self.kernels()})
 
     def compiled(self, stage: int) -> None:
-        """Stage 0: batch-1 decode (the row with a compiled target); 1: prefill; 2: the other batches."""
+        """Stage 0: batch-1 decode (the row with a compiled target); 1: prefill; 2: the training step (`deltafy
+        train --compile`); 3: the other batches."""
         b, name = self.bench, self.name
         first, *rest = b.shapes.decode_batches
         if stage == 0:
@@ -198,6 +206,8 @@ class ModelRun:
                 return {"prefill compiled": self.compiled_columns(b.prefill(calls, self.vocab))}
 
             b.run(name, "prefill compiled", prefill, compiled=True)
+        elif stage == 2:
+            b.run(name, TRAIN_COMPILED, lambda: self.train(compiled=True), compiled=True)
         else:
             for batch in rest:
                 self._compiled_decode(batch)
@@ -247,8 +257,9 @@ class ModelRun:
             fused = self.models["fused"](input_ids=ids, use_cache=False).logits.float()
         return {"baseline": ref.abs().max().item(), "fused": (fused - ref).abs().max().item()}
 
-    def train(self) -> dict:
-        """Full FT, LoRA r=8 and heads-only (reference, fused) side by side: the four train rows."""
+    def train(self, compiled: bool = False) -> dict:
+        """Full FT, LoRA r=8 and heads-only (reference, fused) side by side: the four train rows; ``compiled``:
+        every arm under torch.compile (the fused path traces the formula there), the two compiled rows."""
         from peft import LoraConfig, get_peft_model
 
         arms = {}
@@ -260,17 +271,19 @@ class ModelRun:
             lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
             lora = get_peft_model(copy.deepcopy(self.models["original"]), lora_config).train()
             arms["lora"] = (lora, torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4))
-            for variant in ("reference", "fused"):
+            for variant in ("reference",) if compiled else ("reference", "fused"):
                 if variant in self.models:  # (a copy: the rows after this one measure the heads as they were)
                     model = copy.deepcopy(self.models[variant]).train()
                     arms[variant] = (model, heads_only(model))
+            if compiled:  # (the optimizers hold the models' own parameters, which the compiled calls read)
+                arms = {arm: (torch.compile(model), opt) for arm, (model, opt) in arms.items()}
             results = self.bench.train(arms)
         finally:
             arms.clear()
             if self.bench.cuda:
                 torch.cuda.empty_cache()
         out = {}
-        for measure in TRAIN_MEASURES:
+        for measure in TRAIN_COMPILED if compiled else TRAIN_MEASURES:
             kind, baseline = measure.split()[1], "full" if measure.endswith("full") else "lora"
             index, scale = (0, 1e3) if kind == "step" else (1, 2.0**-30)
             cells = {}
@@ -278,8 +291,8 @@ class ModelRun:
                 if arm in results:
                     value = results[arm][index]
                     cells[column] = value * scale if isinstance(value, float | int) else value
-            if self.fused_note is not None:
-                cells.setdefault("fused", self.fused_note)
+            if compiled or self.fused_note is not None:
+                cells.setdefault("fused", TRACED if compiled else self.fused_note)
             out[measure] = cells
         return out
 
@@ -368,7 +381,7 @@ def main() -> None:
         run.eager()
         runs.append(run)
     # the compiled rows last, the most wanted first: the eager ones are never what the budget leaves out
-    for stage in range(3):
+    for stage in range(4):
         for run in runs:
             run.compiled(stage)
     packed = [run.packed_decode() for run in runs] if args.packed else []

@@ -1,6 +1,6 @@
-"""The command line end to end on the machine it runs on: convert, train (heads; heads+LoRA kept apart),
-eval and inspect of a small random bf16 Llama, each command a child process as a user runs it, every result
-checked. Run it on a GPU beside benchmarks/gpu.sh (about a minute): there `deltafy train` runs under bf16
+"""The command line end to end on the machine it runs on: convert, train (heads, eager and --compile;
+heads+LoRA kept apart), eval and inspect of a small random bf16 Llama, each command a child process as a user
+runs it, every result checked. Run it on a GPU beside benchmarks/gpu.sh (about a minute): there `deltafy train` runs under bf16
 autocast with the frozen base held in bf16 and the fused path on, eval and inspect on the GPU (and eval once
 more with half the layers left on the CPU), none of which a CPU run reaches (CI runs it on CPU).
 
@@ -124,7 +124,8 @@ def main() -> int:
     if c.command("convert", "convert", str(stock), "--out", str(delta)) is None:
         return 1
     data = ["--data", str(TRAIN), "--eval-data", str(HELD)]
-    out = c.command("train heads", "train", str(delta), *data, *SIZE, "--steps", "6", "--lr", "0.05", "--out", str(run))
+    train_heads = ("train", str(delta), *data, *SIZE, "--steps", "6", "--lr", "0.05", "--out", str(run))
+    out = c.command("train heads", *train_heads)
     if out is not None:
         before, after = float(re.search(r"held-out loss ([\d.]+) →", out).group(1)), loss_after(run)
         c.check("the heads lowered the held-out loss", after < before, f"{before:.4f} → {after:.4f}")
@@ -151,6 +152,9 @@ def main() -> int:
                 "inspect measured every site",
                 len(layers) == 4 and all(None not in row["beta"].values() for row in layers),
             )
+        if c.command("train heads --compile", *train_heads[:-1], str(work / "compiled"), "--compile") is not None:
+            compiled = loss_after(work / "compiled")  # (the same steps as graphs: the same loss, up to rounding)
+            c.check("a compiled run gives that loss", abs(compiled - after) < 2e-3, f"{compiled:.6f} vs {after:.6f}")
     out = c.command(
         "train heads+lora --keep-adapter", "train", str(delta), *data, *SIZE, "--steps", "3", "--lr", "0.05",
         "--train", "heads+lora", "--keep-adapter", "--out", str(lora),

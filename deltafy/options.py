@@ -119,6 +119,11 @@ class LaunchOptions(BaseModel):
         description="shard the model (frozen base, heads, LoRA) over the processes of a torchrun / accelerate "
         "launch with FSDP2, one unit per decoder layer, instead of a full copy on each (DDP)",
     )
+    compile: bool = Field(
+        False,
+        description="run the training steps under torch.compile (inductor): each site's ops fuse into the "
+        "kernels around it, at the cost of compiling first",
+    )
 
 
 class TrainOptions(TrainingDefaults, LaunchOptions):

@@ -1,7 +1,7 @@
 """Third-party output kept out of deltafy's: transformers' logs and progress bars around a library
 call, and, for the command line, the start-up chatter of the libraries a run imports (DeepSpeed's
 "Setting accelerator to CPU" on every ``deltafy train``, huggingface_hub's retries of an unreachable Hub,
-transformers' warnings).
+transformers' warnings, torch.compile's notes).
 ``--debug`` shows all of it."""
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def quiet_third_parties() -> None:
     # folder's base, loaded by the checkpoint's own code): advice for code calling transformers, not for
     # someone running a command; read by its logging set-up on import (a user's own setting stays)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # torch.compile's notes on what it traces around (e.g. DDP's profiler ranges, on every rank) and on
+    # recompiling: for someone tuning a model, not someone running a command; read by torch's import
+    os.environ.setdefault("TORCH_LOGS", "-dynamo,-inductor")
     # a library's deprecation notice is for the code that calls it, not for someone running a command
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in _CHATTY:

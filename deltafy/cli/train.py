@@ -63,6 +63,10 @@ def train_command(
         bool,
         typer.Option("--fsdp", **described(sentence(LaunchOptions.model_fields["fsdp"].description), OFF)),
     ] = False,
+    compile: Annotated[
+        bool,
+        typer.Option("--compile", **described(sentence(LaunchOptions.model_fields["compile"].description), OFF)),
+    ] = False,
     **flags,
 ) -> None:
     """Train the DDL heads of a converted model (optionally with LoRA) and save the result.
@@ -88,7 +92,7 @@ def train_command(
         from ..checkpoint import read_config
 
         base = read_config(model_dir)["deltafy"]["recipe"].get("training")
-    options = options_from(base, fsdp=fsdp, **flags)  # flags left unset are None: the recipe's values stay
+    options = options_from(base, fsdp=fsdp, compile=compile, **flags)  # (unset flags: None, the recipe's value)
     refuse_unread_flags(options, flags, SPELLINGS)
     if recipe and (kept := _heads_kept(model_dir, chosen)):
         err_console.print(

@@ -267,6 +267,7 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
         ddp_find_unused_parameters=False,
         save_only_model=False,
         use_cpu=not cuda,
+        torch_compile=options.compile,
         **_checkpointing_args(options.gradient_checkpointing),
         **run.sharding,
     )

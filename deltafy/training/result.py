@@ -69,10 +69,10 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         trainable_params=run.trainable,
         out=out,
     )
-    trained = trainer.model
+    trained = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)  # (names without --compile's)
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
-        gathered = gather_trained(trainer.model)  # a collective: every rank takes part
+        gathered = gather_trained(trained)  # a collective: every rank takes part
         trained = rebuild(run.model_dir, options, gathered, run.held, run.base) if run.main else None
     if not run.main:
         return result

@@ -89,7 +89,16 @@ def append_metrics(out: Path, record: dict) -> None:
 
 # Settings a resumed run may change: they decide how long it runs and how often it reports or
 # saves, not what a step computes. Every other recorded field must match the saved run.
-CHANGEABLE = ("steps", "tokens", "eval_every", "save_every", "max_eval_blocks", "gradient_checkpointing", "merge_lora")
+CHANGEABLE = (
+    "steps",
+    "tokens",
+    "eval_every",
+    "save_every",
+    "max_eval_blocks",
+    "gradient_checkpointing",
+    "merge_lora",
+    "compile",
+)
 
 
 def model_identity(model_dir: str) -> str:

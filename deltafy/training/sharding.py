@@ -131,6 +131,12 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
             super().create_accelerator_and_postprocess()
             state = self.accelerator.state
             if self.is_deepspeed_enabled:
+                if self.args.torch_compile and state.deepspeed_plugin.zero_stage == 3:
+                    # its forward would read the empty partitions: the hooks that gather them run outside the graph
+                    raise DeltafyError(
+                        "--compile does not work with DeepSpeed ZeRO-3, whose partitioned parameters torch.compile "
+                        "cannot see; drop --compile, or shard with FSDP (torchrun ... --fsdp --compile)"
+                    )
                 _skip_shared_memory_kernel()
                 return
             if state.distributed_type != DistributedType.MULTI_CPU:

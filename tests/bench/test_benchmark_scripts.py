@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EAGER = ("prefill", "decode b1", "decode b8")
 TRAIN = ("train step vs full", "train step vs LoRA")
-COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled")
+TRAIN_COMPILED = ("train step compiled vs full", "train step compiled vs LoRA")
+COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled", *TRAIN_COMPILED)
 
 
 def _script(name: str):
@@ -105,6 +106,20 @@ def test_gpu_script_runs_only_the_rows_asked_for(tmp_path):
         assert by_measure[measure]["baseline"] != "not run (--only)", measure
     for measure in ("prefill", "decode b8", *TRAIN):
         assert by_measure[measure]["reference"] == "not run (--only)", measure
+
+
+def test_gpu_script_times_a_compiled_training_step_of_every_arm(tmp_path):
+    """As `deltafy train --compile` runs: full FT, LoRA r=8 and the heads each under torch.compile."""
+    out = tmp_path / "cells.json"
+    _run("gpu.py", "--cpu", "--compile", "--only", "step compiled", "--json", str(out))
+    by_measure = {row["measure"]: row for row in json.loads(out.read_text())}
+    for measure in TRAIN_COMPILED:
+        row = by_measure[measure]
+        assert _positive(row["baseline"]) and _positive(row["reference"]), row
+        assert "traces the formula" in row["fused"], row
+    full, lora = (by_measure[measure] for measure in TRAIN_COMPILED)
+    assert full["reference"] == lora["reference"]  # one heads-only arm, against two baselines
+    assert by_measure["train step vs full"]["reference"] == "not run (--only)"
 
 
 def test_gpu_script_times_one_parameter_a_site_after_the_table():
@@ -215,7 +230,7 @@ def test_the_reference_column_is_the_formula_where_convert_fuses(convert_fuses, 
 def test_the_command_line_check_passes_on_cpu():
     stdout = _run("gpu_cli.py")
     assert "no GPU (CPU run)" in stdout and stdout.rstrip().endswith("all checks passed")
-    assert stdout.count("\nok ") >= 12 and "FAIL" not in stdout
+    assert stdout.count("\nok ") >= 14 and "FAIL" not in stdout
 
 
 def _kernel_rows(stdout: str) -> dict:

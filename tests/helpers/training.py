@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -145,6 +146,16 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def read_metrics(out: Path) -> list[dict]:
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def interrupted_at(straight: Path, step: int, out: Path) -> Path:
+    """``out`` as the run in ``straight`` would have left it, stopped after ``step``: its checkpoint there, its
+    record (checked on resume) and the metrics of its first ``step`` steps."""
+    shutil.copytree(straight / "training" / f"checkpoint-{step}", out / "training" / f"checkpoint-{step}")
+    shutil.copy(straight / "training" / "run.json", out / "training" / "run.json")
+    first = [r for r in read_metrics(straight) if r.get("step", 0) <= step and "loss" in r]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    return out
 
 
 def step_records(records: list[dict]) -> list[dict]:

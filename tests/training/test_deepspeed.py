@@ -117,3 +117,15 @@ def test_deepspeed_resume_is_refused_in_one_line(tiny, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and all("--resume does not work with DeepSpeed yet" in line for line in errors)
     assert "internal error" not in proc.stderr
+
+
+def test_compile_under_zero3_is_refused_in_one_line(tiny, tmp_path):
+    """ZeRO-3 gathers each partitioned parameter in a hook torch.compile does not trace: the graph would
+    read the empty partitions. (ZeRO-2 leaves parameters whole, and compiles.)"""
+    out = tmp_path / "compiled"
+    proc = launch(accelerate(REPO / "examples" / "accelerate_deepspeed_zero3.yaml"), tiny, out, "--compile")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("--compile does not work with DeepSpeed ZeRO-3" in line for line in errors), proc.stderr
+    assert "internal error" not in proc.stderr
+    assert not out.exists()  # refused before anything was written

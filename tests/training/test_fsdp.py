@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers.training import REPO, read_metrics, read_tensors, step_records, subprocess_env
+from helpers.training import REPO, interrupted_at, read_metrics, read_tensors, step_records, subprocess_env
 
 import deltafy
 from deltafy.errors import DeltafyError
@@ -101,6 +101,20 @@ def test_torchrun_fsdp_matches_one_process(tiny, tmp_path, single):
     proc = launch(torchrun, tiny, out, "--fsdp")
     check_sharded_run(proc, out, single, tiny)
     check_loads_both_ways(out)
+
+
+def test_fsdp_compiled_matches_one_process_and_resumes_exactly(tiny, tmp_path, single):
+    """--compile over FSDP: the graph holds the sharded model, whose checkpoints and output must still
+    carry the model's own names (torch.compile's wrapper adds _orig_mod.); resumed after step 2, bitwise."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = tmp_path / "fsdp"
+    check_sharded_run(launch(torchrun, tiny, out, "--fsdp", "--compile"), out, single, tiny)
+    resumed = interrupted_at(out, 2, tmp_path / "resumed")
+    proc = launch(torchrun, tiny, resumed, "--fsdp", "--compile", "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = read_tensors(out), read_tensors(resumed)
+    for key, value in a.items():
+        assert b[key].equal(value), key
 
 
 def check_loads_both_ways(out) -> None:

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 from helpers.cli import assert_one_line_error
-from helpers.training import read_metrics, read_tensors, run_cli, shared_tokenizer, step_records, subprocess_env
+from helpers.training import (
+    interrupted_at,
+    read_metrics,
+    read_tensors,
+    run_cli,
+    shared_tokenizer,
+    step_records,
+    subprocess_env,
+)
 
 import deltafy
 from deltafy.errors import DeltafyError
@@ -402,12 +410,7 @@ def test_an_fsdp_checkpoint_holds_what_trains_and_resumes_exactly(tiny, tmp_path
     checkpoint = straight / "training" / "checkpoint-2"
     assert not set(os.listdir(checkpoint)) & {"model.safetensors", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0"}
     assert {HEADS_FILE, "optimizer.bin", "rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(checkpoint))
-    # The folder the run would have left, killed after step 2.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(checkpoint, resumed / "training" / "checkpoint-2")
-    shutil.copy(straight / "training" / "run.json", resumed / "training" / "run.json")
-    first = [r for r in read_metrics(straight) if r.get("step", 0) <= 2 and "loss" in r]
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    resumed = interrupted_at(straight, 2, tmp_path / "resumed")  # the folder the run leaves, killed after step 2
     torchrun(resumed, "--resume")
     a, b = read_tensors(straight), read_tensors(resumed)
     assert any(".delta." in key for key in a)

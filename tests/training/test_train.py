@@ -10,7 +10,6 @@ import ast
 import gc
 import json
 import math
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 import torch
 from helpers.training import (
     REPO,
+    interrupted_at,
     read_metrics,
     read_tensors,
     run_cli,
@@ -207,6 +207,23 @@ def test_gradient_checkpointing_gives_the_same_run(tiny, heads_run, tmp_path):
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
 
 
+def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path):
+    from torch._dynamo.utils import counters
+
+    out, _, _ = heads_run
+    graphs = counters["stats"]["unique_graphs"]
+    train(tiny, tmp_path / "compiled", compile=True)
+    assert counters["stats"]["unique_graphs"] > graphs  # the steps ran as torch.compile's graphs
+    eager = [r["loss"] for r in step_records(read_metrics(out))]
+    compiled = [r["loss"] for r in step_records(read_metrics(tmp_path / "compiled"))]
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    a, b = read_tensors(out), read_tensors(tmp_path / "compiled")
+    assert a.keys() == b.keys()  # under the model's own names, not the compiled wrapper's
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
+    assert "compile" not in (tmp_path / "compiled" / "recipe.yaml").read_text()  # how it ran, not what it trained
+
+
 # -- resuming ----------------------------------------------------------------------------------
 
 
@@ -217,12 +234,7 @@ def test_resume_continues_exactly(tiny, tmp_path):
     saved = sorted(p.name for p in (straight / "training").glob("checkpoint-*"))
     assert saved == [f"checkpoint-{n}", f"checkpoint-{2 * n}"]
 
-    # The folder an interrupted run leaves after step n: its checkpoint and its first n records.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight / "training" / f"checkpoint-{n}", resumed / "training" / f"checkpoint-{n}")
-    first = [r for r in read_metrics(straight) if r.get("step", 0) <= n and "loss" in r]
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
-    shutil.copy(straight / "training" / "run.json", resumed / "training" / "run.json")  # checked on resume
+    resumed = interrupted_at(straight, n, tmp_path / "resumed")
 
     with pytest.raises(DeltafyError, match="already holds files"):
         train(tiny, resumed, steps=2 * n, save_every=n)
@@ -659,13 +671,15 @@ def test_cli_honors_the_training_section_of_a_recipe(tiny, tmp_path):
 # -- distributed -------------------------------------------------------------------------------
 
 
-def test_torchrun_two_processes(tiny, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_torchrun_two_processes(tiny, tmp_path, compiled):
     out = tmp_path / "ddp"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "deltafy", "train", str(tiny.delta), "--data", str(tiny.train_txt),
         "--eval-data", str(tiny.held_txt), "--out", str(out),
         "--steps", "4", "--seq-len", "64", "--batch-size", "2", "--save-every", "2", "--lr", str(HEAD_LR),
+        *["--compile"] * compiled,
     ]  # fmt: skip
     proc = subprocess.run(
         command,
@@ -678,6 +692,7 @@ def test_torchrun_two_processes(tiny, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("wrote ") == 1  # only rank 0 evaluates, saves and reports
+    assert "will be ignored" not in proc.stderr  # torch.compile's note on DDP's profiler ranges, from every rank
     assert len(list(out.glob("*.safetensors"))) == 1
     assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert {p.name for p in (out / "training" / "checkpoint-4").glob("rng_state_*")} == {
