@@ -1,8 +1,9 @@
 """The command line end to end on the machine it runs on: convert, train (heads, eager and --compile;
-heads+LoRA kept apart), eval and inspect of a small random bf16 Llama, each command a child process as a user
-runs it, every result checked. Run it on a GPU beside benchmarks/gpu.sh (about a minute): there `deltafy train` runs under bf16
-autocast with the frozen base held in bf16 and the fused path on, eval and inspect on the GPU (and eval once
-more with half the layers left on the CPU), none of which a CPU run reaches (CI runs it on CPU).
+heads+LoRA kept apart), eval and inspect of a small random bf16 Llama, each command a child process as a
+user runs it, every result checked. Run it on a GPU beside benchmarks/gpu.sh (about a minute): there
+`deltafy train` runs under bf16 autocast with the frozen base held in bf16 and the fused path on (and
+compiled once), eval and inspect on the GPU (and eval once more with half the layers left on the CPU),
+none of which a CPU run reaches (CI runs it on CPU).
 
     python benchmarks/gpu_cli.py            # prints one line per command, exits 1 if any check failed
     python benchmarks/gpu_cli.py --keep DIR # leaves the folders in DIR

@@ -207,12 +207,13 @@ def test_gradient_checkpointing_gives_the_same_run(tiny, heads_run, tmp_path):
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
 
 
-def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path, checkpointing):
     from torch._dynamo.utils import counters
 
     out, _, _ = heads_run
     graphs = counters["stats"]["unique_graphs"]
-    train(tiny, tmp_path / "compiled", compile=True)
+    train(tiny, tmp_path / "compiled", compile=True, gradient_checkpointing=checkpointing)
     assert counters["stats"]["unique_graphs"] > graphs  # the steps ran as torch.compile's graphs
     eager = [r["loss"] for r in step_records(read_metrics(out))]
     compiled = [r["loss"] for r in step_records(read_metrics(tmp_path / "compiled"))]
