@@ -76,6 +76,7 @@ def train_command(
       deltafy train ./smol-delta --data corpus/*.txt --out ./smol-trained --steps 500
       deltafy train ./smol-delta --data data.jsonl --eval-data heldout.txt --train heads+lora --lora-r 8 --out ./run2
       torchrun --nproc_per_node 8 -m deltafy train ./big-delta --data corpus/ --out ./run3 --fsdp
+      deltafy train ./smol-delta --data corpus/ --out ./run4 --compile     # on a GPU: fewer kernels a step
       deltafy train ./smol-delta --data corpus/ --out ./run1 --resume
     """
     from ..options import options_from, refuse_unread_flags
