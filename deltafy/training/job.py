@@ -292,7 +292,7 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
         args=args,
         train_dataset=_Blocks(run.train_blocks),
         eval_dataset=_Blocks(run.eval_blocks),
-        callbacks=[progress := monitor(run.out, steps, run.tokens_per_step, show_progress, stop)],
+        callbacks=[progress := monitor(run.out, steps, run.tokens_per_step, show_progress, stop, _first_step(options))],
     )
     trainer.remove_callback(PrinterCallback)  # the Monitor callback reports progress instead
     status("held-out loss before training")
@@ -332,6 +332,11 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
             stop.signal,
         )
     return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
+
+
+def _first_step(options) -> str:
+    # a compiled run's first step takes minutes on a big model, with nothing shown: say why
+    return "compiling the first step (torch.compile) …" * options.compile
 
 
 def _checkpointing_args(enabled: bool) -> dict:

@@ -19,13 +19,13 @@ def to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool, stop: Stop):
+def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bool, stop: Stop, first: str = ""):
     from transformers import TrainerCallback
 
     class Monitor(TrainerCallback):
         """Metrics as JSON lines; progress as a rich bar on a terminal, else a plain line every
-        tenth of the run (a log file or CI would otherwise show nothing until the end); a stop on
-        a non-finite loss or a signal."""
+        tenth of the run (a log file or CI would otherwise show nothing until the end), ``first``
+        saying what the first step does beyond a step (compiling); a stop on a non-finite loss or a signal."""
 
         def __init__(self):
             self.progress = None
@@ -46,8 +46,10 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
                     TimeRemainingColumn(),
                     transient=False,
                 )
-                self.task = self.progress.add_task("train", total=total_steps, completed=state.global_step, info="")
+                self.task = self.progress.add_task("train", total=total_steps, completed=state.global_step, info=first)
                 self.progress.start()
+            elif show_progress and state.is_world_process_zero and first:
+                to_stderr(f"train: {first}")
 
         def on_step_end(self, args, state, control, **kwargs):
             if stop.requested():  # at a step boundary: save this step, then leave the loop

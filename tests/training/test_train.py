@@ -694,6 +694,8 @@ def test_torchrun_two_processes(tiny, tmp_path, compiled):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("wrote ") == 1  # only rank 0 evaluates, saves and reports
     assert "will be ignored" not in proc.stderr  # torch.compile's note on DDP's profiler ranges, from every rank
+    # a compiled run says what its (long) first step does, once: rank 0 reports
+    assert proc.stderr.count("compiling the first step (torch.compile)") == compiled
     assert len(list(out.glob("*.safetensors"))) == 1
     assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert {p.name for p in (out / "training" / "checkpoint-4").glob("rng_state_*")} == {
