@@ -33,7 +33,7 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     `deltafy train` holds them: the heads and LoRA's adapters in fp32 on the frozen base
                     (bf16), the step under bf16 autocast; full fine-tuning trains the bf16 weights as they
                     are (its cheapest form: no fp32 master copy).
-  train step compiled
+  train step / memory compiled
                     the same arms under torch.compile (default mode), as `deltafy train --compile` runs
                     them: full FT, LoRA r=8 and heads-only (the fused path traces the formula there).
   train memory      peak of a step: the variant's own weights, buffers and optimizer state plus the step's

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 EAGER = ("prefill", "decode b1", "decode b8")
 TRAIN = ("train step vs full", "train step vs LoRA")
 TRAIN_COMPILED = ("train step compiled vs full", "train step compiled vs LoRA")
-COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled", *TRAIN_COMPILED)
+COMPILED_MEMORY = "train memory compiled vs LoRA"
+COMPILED = ("prefill compiled", "decode b1 compiled", "decode b8 compiled", *TRAIN_COMPILED, COMPILED_MEMORY)
 
 
 def _script(name: str):
@@ -119,6 +120,7 @@ def test_gpu_script_times_a_compiled_training_step_of_every_arm(tmp_path):
         assert "traces the formula" in row["fused"], row
     full, lora = (by_measure[measure] for measure in TRAIN_COMPILED)
     assert full["reference"] == lora["reference"]  # one heads-only arm, against two baselines
+    assert "CPU" in by_measure[COMPILED_MEMORY]["baseline"]  # (peak memory: CUDA's allocator only)
     assert by_measure["train step vs full"]["reference"] == "not run (--only)"
 
 
