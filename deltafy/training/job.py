@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import interrupts
-from ..errors import DeltafyError, Interrupted
+from ..errors import DeltafyError, Interrupted, first_line
 from ..files import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, STATE_DIR
 from ..options import TrainOptions
 from ..sources.folders import output_path
@@ -313,6 +313,11 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
                 f"interrupted twice at step {trainer.state.global_step}: stopped at once without saving; {kept}",
                 interrupts.received,
             ) from None
+        except torch._dynamo.exc.TorchDynamoException as err:  # (only --compile runs torch.compile)
+            raise DeltafyError(
+                f"torch.compile could not compile the training step ({first_line(err, with_type=True)}); "
+                f"train without --compile"
+            ) from err
         finally:
             stop.training = False
             progress.stop()

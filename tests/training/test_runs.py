@@ -421,6 +421,20 @@ def test_an_fsdp_checkpoint_holds_what_trains_and_resumes_exactly(tiny, tmp_path
     ]
 
 
+def test_a_step_torch_compile_cannot_compile_is_one_line_saying_to_train_without_it(tiny, tmp_path):
+    """No working C++ compiler (inductor's CPU backend needs one): a real compile failure, from an empty
+    cache so that no graph compiled before is reused."""
+    out = tmp_path / "run"
+    env = {"CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = train_cli(tiny, out, "--steps", "1", "--compile", cwd=tmp_path, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "torch.compile could not compile the training step" in errors[0] and "no-such-compiler" in errors[0]
+    assert errors[0].endswith("train without --compile")
+    assert not out.exists()  # it failed at its first step: no --out left behind
+
+
 # -- signals and full disks -------------------------------------------------------------------------
 
 
