@@ -259,7 +259,7 @@ class ModelRun:
 
     def train(self, compiled: bool = False) -> dict:
         """Full FT, LoRA r=8 and heads-only (reference, fused) side by side: the four train rows; ``compiled``:
-        every arm under torch.compile (the fused path traces the formula there), the two compiled rows."""
+        every arm under torch.compile (the fused path traces the formula there), the compiled rows."""
         from peft import LoraConfig, get_peft_model
 
         arms = {}
