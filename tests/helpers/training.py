@@ -60,14 +60,14 @@ def shared_tokenizer():
     return _TOKENIZER
 
 
-def build_stock_model(tokenizer, seed: int = 0):
+def build_stock_model(tokenizer, seed: int = 0, layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         "llama",
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=len(tokenizer),

@@ -13,7 +13,15 @@ import sys
 
 import pytest
 import torch
-from helpers.training import REPO, interrupted_at, read_metrics, read_tensors, step_records, subprocess_env
+from helpers.training import (
+    REPO,
+    build_stock_model,
+    interrupted_at,
+    read_metrics,
+    read_tensors,
+    step_records,
+    subprocess_env,
+)
 
 import deltafy
 from deltafy.errors import DeltafyError
@@ -34,7 +42,7 @@ def opts(**overrides):
     return options_from(load_recipe().training.model_dump(), **values)  # as `deltafy train` reads tiny.delta
 
 
-def launch(launcher: list[str], tiny, out, *flags: str, model=None) -> subprocess.CompletedProcess:
+def launch(launcher: list[str], tiny, out, *flags: str, model=None, env=None) -> subprocess.CompletedProcess:
     """`deltafy train` on 2 CPU processes: 2 blocks per rank per step, 4 in all (of tiny.delta, else ``model``)."""
     command = [
         *launcher, "-m", "deltafy", "train", str(model or tiny.delta), "--data", str(tiny.train_txt),
@@ -44,7 +52,7 @@ def launch(launcher: list[str], tiny, out, *flags: str, model=None) -> subproces
     return subprocess.run(
         command,
         cwd=out.parent,
-        env=subprocess_env({"CUDA_VISIBLE_DEVICES": ""}),
+        env=subprocess_env({"CUDA_VISIBLE_DEVICES": "", **(env or {})}),
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -115,6 +123,25 @@ def test_fsdp_compiled_matches_one_process_and_resumes_exactly(tiny, tmp_path, s
     a, b = read_tensors(out), read_tensors(resumed)
     for key, value in a.items():
         assert b[key].equal(value), key
+
+
+def test_fsdp_compiled_compiles_every_layer_of_a_deep_model(tiny, tmp_path):
+    """FSDP's hooks break the graph at each decoder layer, and dynamo compiles a layer's frame again for
+    every layer (it guards each site call's identity): past torch's default limit of 8 graphs a frame, the
+    other layers of a 12-layer model would train eagerly, silently."""
+    from deltafy.conversion.job import convert_source
+
+    stock, delta = tmp_path / "stock12", tmp_path / "delta12"
+    build_stock_model(tiny.tokenizer, layers=12).save_pretrained(stock)
+    tiny.tokenizer.save_pretrained(stock)
+    convert_source(str(stock), delta)
+    out = tmp_path / "fsdp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {"TORCH_LOGS": "recompiles"}  # (deltafy's command line leaves a user's TORCH_LOGS as it is)
+    proc = launch(torchrun, tiny, out, "--fsdp", "--compile", model=delta, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Recompiling function" in proc.stderr  # the layers' frames were compiled one by one (logged)
+    assert "recompile_limit" not in proc.stderr, proc.stderr[-3000:]
 
 
 def check_loads_both_ways(out) -> None:
