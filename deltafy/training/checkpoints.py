@@ -182,7 +182,8 @@ def atomic_trainer():
             finally:
                 self._staging = False
 
-        def _bare(self, model):  # the model itself: no DDP, DeepSpeed or torch.compile (--compile) wrapper
+        def unwrapped(self, model):
+            """The model itself: no DDP, DeepSpeed or torch.compile (--compile) wrapper, whose names add a prefix."""
             return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
         def save_model(self, output_dir=None, _internal_call=False) -> None:
@@ -191,7 +192,7 @@ def atomic_trainer():
             # A checkpoint of a frozen base holds what trains, not a copy of the base (GBs a save).
             state = trainable_state(self.model, sharded=self.is_fsdp_enabled)  # every rank: a gather
             if self.args.should_save:
-                save_trainable(self._bare(self.model), state, Path(output_dir))
+                save_trainable(self.unwrapped(self.model), state, Path(output_dir))
 
         def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
             if self.is_deepspeed_enabled and frozen_base(self.model):
@@ -214,7 +215,7 @@ def atomic_trainer():
             model = model if model is not None else self.model
             if not frozen_base(model):  # train: all, whose checkpoints are the whole model
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-            load_trainable(model, self._bare(model), Path(resume_from_checkpoint), self.is_fsdp_enabled)
+            load_trainable(model, self.unwrapped(model), Path(resume_from_checkpoint), self.is_fsdp_enabled)
 
         def _load_optimizer_and_scheduler(self, checkpoint) -> None:
             super()._load_optimizer_and_scheduler(checkpoint)

@@ -69,8 +69,7 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         trainable_params=run.trainable,
         out=out,
     )
-    # the model itself: under --fsdp --compile the Trainer's is torch.compile's wrapper, whose names add _orig_mod.
-    trained = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    trained = trainer.unwrapped(trainer.model)  # (under --fsdp --compile the Trainer's is torch.compile's wrapper)
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
         gathered = gather_trained(trained)  # a collective: every rank takes part
