@@ -110,6 +110,9 @@ def test_the_check_compiles_into_one_graph_that_is_never_recompiled(tmp_path):
     converted, folder = _saved(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     ids = fixed_ids(model)
+    # Graphs other tests compiled in this process (a training run's, with grad on) would count as
+    # recompiles of the shared transformers frames; only this test's own graphs are under test.
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for eager in (model, converted):
             compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
