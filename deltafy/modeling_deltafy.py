@@ -110,6 +110,8 @@ class DeltaSpec:
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
         object.__setattr__(self, "sites", tuple(map(_site, self.sites)))
+        if len({site.name for site in self.sites}) < len(self.sites):  # (a layer's heads and captures go by name)
+            raise DeltafyError("two sites have the same name")
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:
@@ -271,15 +273,15 @@ class DeltaSite(nn.Module):
 
 
 # -- the surgery ---------------------------------------------------------------------------------
-# A site's stream and context travel from its capture to its write, per thread so that concurrent forwards never see
-# each other's; so do the sites a checkpoint class's forward waits for (_PENDING: a backend that swaps modules drops
-# them). A forward leaves the stash as it found it: torch.compile's guards on it hold.
+# A site's stream and context travel from its capture to its write under the site's name, per thread so that
+# concurrent forwards never see each other's. A forward leaves the stash as it found it, and nothing a layer does
+# names that layer (no id, no count): torch.compile's guards hold, and a layer compiled alone serves every layer.
 class _Stash(threading.local):
     def __init__(self):
-        self.sites = {}  # (each thread's own, made on its first use)
+        self.sites, self.thread = {}, threading.get_ident()  # (each thread's own, made on its first use)
 
 
-_STASH, _PENDING = _Stash(), "pending"
+_STASH = _Stash()
 _stash = lambda: _STASH.sites  # noqa: E731
 # a module's output is h or a tuple (h, ...)
 _output = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
@@ -307,6 +309,9 @@ class _SiteCall:
         # garbage collector breaks, and a dropped model's weights would stay in (GPU) memory until it ran
         self._module, self.inner = weakref.ref(module), module.__dict__.get("forward")
         self.captures, self.writes, self.enabled = [], [], True  # the sites whose stream, and whose write, it is
+        # thread -> it ran in the checkpoint class's forward (a backend that swaps modules skips it); this thread's key
+        # from the start and for good, as a compiled graph guards the keys
+        self.ran = {_STASH.thread: False}
 
     module = property(lambda self: self._module())
 
@@ -327,24 +332,22 @@ class _SiteCall:
         output = self._forward(*args, **kwargs)
         return self._sites(args, kwargs, output) if self.enabled else output
 
-    def _ran(self) -> None:  # the checkpoint class's forward checks that every site's write ran
-        pending = _stash().get(_PENDING)
-        if pending is not None:
-            for site in self.writes:
-                pending.discard(id(site))
+    def _ran(self) -> None:  # the checkpoint class's forward, which sets it False first, checks that every write ran
+        if self.writes and _STASH.thread in self.ran:  # (a thread's key is made by that forward)
+            self.ran[_STASH.thread] = True
 
     def _sites(self, args: tuple, kwargs: dict, output, channels: torch.Tensor | None = None):
         stash = _stash()
         for site in self.captures:
             x = first_input(args, kwargs)  # (of an expanded stream: the view its channels were read as)
-            stash[id(site)] = (x if channels is None else channels, x if site.context == "input" else _output(output))
+            stash[site.name] = (x if channels is None else channels, x if site.context == "input" else _output(output))
         for site in self.writes:
-            if id(site) not in stash:
+            if site.name not in stash:
                 raise RuntimeError(
                     "a residual write ran before its stream was captured; the site map does not match this "
                     "model's layer code"
                 )
-            h = site(*stash.pop(id(site)), _output(output))
+            h = site(*stash.pop(site.name), _output(output))
             output = _with_output(output, h.flatten(0, 1) if site.channels > 1 else h)
         return output
 
@@ -408,9 +411,10 @@ def apply_deltafy(model: nn.Module, spec: DeltaSpec | dict) -> nn.Module:
     if spec.channels > 1:
         _expand(layers, [(layer.delta[site.name], call(stream, layer)) for layer, site, stream, _ in plan], call, place)
     for site_call in calls.values():
-        site_call.module.forward, site_call.module.extra_repr = site_call, site_call.extra_repr
+        # bound: the module's forward is then a method, which torch.compile does not guard by identity
+        site_call.module.forward, site_call.module.extra_repr = site_call.__call__, site_call.extra_repr
     model._deltafy_calls = list(calls.values())
-    model._deltafy_writes = tuple(id(site) for site_call in calls.values() for site in site_call.writes)
+    model._deltafy_writes = tuple(site_call for site_call in calls.values() if site_call.writes)
     return model
 
 
@@ -424,8 +428,8 @@ def remove_deltafy(model: nn.Module) -> nn.Module:
         if (module := call.module) is None:  # replaced since, and freed
             continue
         module.__dict__.pop("extra_repr", None)
-        if module.__dict__.get("forward") is not call:  # a later wrapper still calls ours: a pass-through now
-            call.__class__, call.captures, call.writes = _SiteCall, [], []
+        if getattr(module.__dict__.get("forward"), "__self__", None) is not call:  # a later wrapper still calls ours
+            call.__dict__.update(captures=[], writes=[], expand=False, read=None, final=None)  # a pass-through now
         elif call.inner is None:
             del module.forward
         else:
@@ -768,15 +772,15 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
 
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
         def forward(self, *args, **kwargs):
-            sites, stash = self.__dict__.get("_deltafy_writes", ()), _stash()
-            stash[_PENDING] = set(sites)
-            try:
-                output = stock_class.forward(self, *args, **kwargs)
-            finally:
-                missed = len(stash.pop(_PENDING, ()))
-            if missed:  # its modules were replaced or bypassed: this was the stock model's forward
+            calls, thread = self.__dict__.get("_deltafy_writes", ()), _STASH.thread
+            for call in calls:
+                call.ran[thread] = False
+            output = stock_class.forward(self, *args, **kwargs)
+            if missed := sum(len(call.writes) for call in calls if not call.ran[thread]):
+                # its modules were replaced or bypassed: this was the stock model's forward
+                sites = sum(len(call.writes) for call in calls)
                 raise DeltafyError(
-                    f"only {len(sites) - missed} of this deltafy model's {len(sites)} residual sites ran: something "
+                    f"only {sites - missed} of this deltafy model's {sites} residual sites ran: something "
                     f"replaced its modules (vLLM's Transformers backend does); run it with transformers "
                     f"(trust_remote_code=True) or vLLM with deltafy's plugin"
                 )

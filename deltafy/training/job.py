@@ -305,8 +305,7 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
     else:
         stop.training = True
         try:
-            with _recompiles_for_each_layer(run.model, options.compile):
-                trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
+            trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
         except KeyboardInterrupt:  # a second signal: the user's doing, not a failure (from None below)
             last, _ = newest_complete(state_dir)
             kept = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
@@ -338,20 +337,6 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
             stop.signal,
         )
     return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
-
-
-def _recompiles_for_each_layer(model, compiling: bool):
-    """torch.compile's recompile limit raised to a few graphs a decoder layer (training, evaluating, a batch
-    of another size). Where a layer's forward is a frame of its own (under FSDP, whose hooks break the graph
-    at each layer), dynamo compiles it again for every layer, since the graph guards each site call's
-    identity; past its default limit of 8 the other layers would run eagerly, without a word. The graphs are
-    alike, and inductor's cache returns the code of the first, so each further layer costs its tracing."""
-    if not compiling:
-        return contextlib.nullcontext()
-    layers = sum(isinstance(getattr(m, "delta", None), torch.nn.ModuleDict) for m in model.modules())
-    limit = max(torch._dynamo.config.recompile_limit, 4 * layers + 8)  # (training, evaluating, a short batch)
-    accumulated = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
-    return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=accumulated)
 
 
 def _first_step(options) -> str:

@@ -6,6 +6,8 @@ model (generate, disabled(), the expanded stream, a training step) still works."
 from __future__ import annotations
 
 import copy
+import re
+import threading
 import types
 
 import pytest
@@ -106,7 +108,8 @@ torch.save({"message": message, "deltafy_modules": loaded}, sys.argv[-1])
 
 @pytest.mark.slow
 def test_the_check_compiles_into_one_graph_that_is_never_recompiled(tmp_path):
-    """The check leaves the per-thread stash as it found it, so compiled code's guards on it hold."""
+    """The count's state is the same before every call (each thread's key in each call's record, from the
+    start), so compiled code's guards on it hold."""
     converted, folder = _saved(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     ids = fixed_ids(model)
@@ -119,3 +122,43 @@ def test_the_check_compiles_into_one_graph_that_is_never_recompiled(tmp_path):
             for _ in range(3):
                 torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", ["each layer", "the model"])
+def test_compiled_code_counts_the_sites_of_the_thread_that_runs_it(tmp_path, compiled):
+    """Each thread has its own count, which compiled code reads as it runs (a graph traced in one thread
+    and run in another would otherwise count for the first): outputs match in both threads, and a swap
+    made after compiling is refused in both."""
+    _, folder = _saved(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    ids = fixed_ids(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="eager") if compiled == "the model" else model
+    for layer in model.model.layers if compiled == "each layer" else ():
+        layer.compile(backend="eager")
+    got = {}
+
+    def forward(name):
+        try:
+            with torch.no_grad():
+                got[name] = run(input_ids=ids).logits
+        except ValueError as err:
+            got[name] = str(err)
+
+    def in_both(tag):
+        forward(f"{tag}, main")
+        worker = threading.Thread(target=forward, args=(f"{tag}, thread",))
+        worker.start()
+        worker.join()
+
+    in_both("as loaded")
+    model.model.layers[1].mlp = _fresh_copy(model.model.layers[1].mlp)
+    in_both("swapped")
+    torch._dynamo.reset()
+    for name in ("as loaded, main", "as loaded, thread"):
+        torch.testing.assert_close(got[name], expected, rtol=0, atol=1e-6, msg=name)
+    for name in ("swapped, main", "swapped, thread"):
+        assert re.match(REFUSED, got[name]) and "3 of" in got[name], (name, got[name])

@@ -65,21 +65,23 @@ TINY_CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def tiny_config(case: str):
+def tiny_config(case: str, layers: int | None = None):
     from transformers import AutoConfig
 
     model_type, overrides = TINY_CASES[case]
     kwargs = {} if model_type in ("gpt2", "gptj") else dict(_SMALL)
     kwargs.update(overrides)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(case: str, seed: int = 0):
+def tiny_model(case: str, seed: int = 0, layers: int | None = None):
     """A randomly initialized tiny model of ``case`` in eval mode (deterministic per seed)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(case)).eval()
+    return AutoModelForCausalLM.from_config(tiny_config(case, layers)).eval()
 
 
 @contextlib.contextmanager

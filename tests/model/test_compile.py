@@ -8,12 +8,14 @@ The aot_eager backend runs dynamo's and AOTAutograd's tracing without needing a 
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
 import torch
 from helpers.models import open_gates, tiny_model
-from transformers import DynamicCache
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import deltafy
 from deltafy.surgery import delta_sites
@@ -96,3 +98,42 @@ def test_a_compiled_training_step_gives_eager_head_gradients():
     for name, grad in eager.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(traced[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _graphs_of_layers_compiled_alone(model, layers: str) -> tuple[int, torch.Tensor]:
+    """Each decoder layer compiled on its own (regional compilation; FSDP's hooks give each layer a frame
+    of its own as well): the graphs dynamo made over a training step and an evaluation, and the logits."""
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.get_submodule(layers):
+        layer.compile(backend="eager")
+    model.train()
+    model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=IDS, use_cache=False).logits
+    return counters["stats"]["unique_graphs"], logits
+
+
+@pytest.mark.parametrize("recipe", ["ddl-scalar", "ddl-expanded"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_layer_compiled_alone_serves_every_layer(case, recipe, tmp_path):
+    """Nothing a layer's sites do names that layer (no id of a site or a call, no count): the graph dynamo
+    makes for one layer holds for the next, as the original's does. It was one graph a layer, and past
+    torch's limit of 8 a frame the other layers of a deep model ran eagerly, silently."""
+    stock = tiny_model(case, layers=5)
+    converted = deltafy.convert(copy.deepcopy(stock), recipe)
+    open_gates(converted)
+    layers = converted.config.deltafy["layers"]
+    original, _ = _graphs_of_layers_compiled_alone(stock, layers)
+    # (training and evaluating each make one) the expanded stream's first layer tiles it and its last returns
+    # the view: graphs of their own beside the middle layers'
+    expected = original * (3 if recipe == "ddl-expanded" else 1)
+    with torch.no_grad():
+        eager = converted(input_ids=IDS, use_cache=False).logits
+    deltafy.save(converted, tmp_path / "ckpt")
+    # the package's surgery, and the checkpoint's class (which also counts the sites that ran)
+    for model in (converted, AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", trust_remote_code=True)):
+        graphs, logits = _graphs_of_layers_compiled_alone(model, layers)
+        assert graphs == expected, f"{graphs} graphs for 5 layers, the original's {original}"
+        torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
