@@ -110,8 +110,9 @@ class DeltaSpec:
         if self.rank is not None and self.direction != "learned":
             raise DeltafyError("rank applies only to a learned direction")
         object.__setattr__(self, "sites", tuple(map(_site, self.sites)))
-        if len({site.name for site in self.sites}) < len(self.sites):  # (a layer's heads and captures go by name)
-            raise DeltafyError("two sites have the same name")
+        names = [site.name for site in self.sites]  # (a layer's heads, and its captures, go by the site's name)
+        if twice := next((name for name in names if names.count(name) > 1), None):
+            raise DeltafyError(f"two sites are named {twice!r}")
 
     @classmethod
     def from_dict(cls, section: dict) -> DeltaSpec:

@@ -514,6 +514,7 @@ SITE = {"name": "attn", "write": "self_attn", "stream": "input_layernorm"}
         (dict(sites=[SITE | {"write": None}]), "site 'attn': write must be a non-empty string, got None"),
         (dict(sites=[SITE | {"stream": 0}]), "site 'attn': stream must be a string, got 0"),
         (dict(sites=[SITE | {"context": "both"}]), "site 'attn': context must be 'output' or 'input', got 'both'"),
+        (dict(sites=[SITE, SITE | {"write": "mlp"}]), "two sites are named 'attn'"),
     ],
 )
 def test_spec_read_from_a_config_is_checked_as_when_it_was_written(change, words):
