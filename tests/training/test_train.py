@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers.training import (
     REPO,
+    build_stock_model,
     interrupted_at,
     read_metrics,
     read_tensors,
@@ -207,14 +208,23 @@ def test_gradient_checkpointing_gives_the_same_run(tiny, heads_run, tmp_path):
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
-def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path, checkpointing):
+def compiled_ops(model: Path, out: Path, tiny, **overrides) -> int:
+    """The ops a --compile run of ``model`` captured in torch.compile's graphs (from an empty cache: graphs
+    another test compiled in this process would serve it, nothing captured)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
+    counters.clear()
+    options = opts(compile=True, **overrides)
+    run_training(str(model), [str(tiny.train_txt)], out, options, eval_data=[str(tiny.held_txt)], show_progress=False)
+    return counters["stats"]["calls_captured"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path, checkpointing):
     out, _, _ = heads_run
-    graphs = counters["stats"]["unique_graphs"]
-    train(tiny, tmp_path / "compiled", compile=True, gradient_checkpointing=checkpointing)
-    assert counters["stats"]["unique_graphs"] > graphs  # the steps ran as torch.compile's graphs
+    # the steps ran as torch.compile's graphs (with checkpointing, around the layers only: docs/training.md)
+    assert compiled_ops(tiny.delta, tmp_path / "compiled", tiny, gradient_checkpointing=checkpointing) > 0
     eager = [r["loss"] for r in step_records(read_metrics(out))]
     compiled = [r["loss"] for r in step_records(read_metrics(tmp_path / "compiled"))]
     assert compiled == pytest.approx(eager, abs=1e-5)
@@ -223,6 +233,21 @@ def test_a_compiled_run_is_the_eager_run(tiny, heads_run, tmp_path, checkpointin
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
     assert "compile" not in (tmp_path / "compiled" / "recipe.yaml").read_text()  # how it ran, not what it trained
+
+
+def test_a_compiled_run_compiles_one_decoder_layer_for_all(tiny, tmp_path):
+    """--compile compiles each decoder layer on its own (accelerate's regional compilation) and the first
+    layer's graph serves the others, so a deep model's first step compiles as fast as a shallow one's: a
+    12-layer run captures the ops of a 2-layer one. The whole model as one graph captured every layer's
+    (6 times as many here), and so did a graph for each layer."""
+    from deltafy.conversion.job import convert_source
+
+    stock, deep = tmp_path / "stock12", tmp_path / "delta12"
+    build_stock_model(tiny.tokenizer, layers=12).save_pretrained(stock)
+    tiny.tokenizer.save_pretrained(stock)
+    convert_source(str(stock), deep)
+    shallow = compiled_ops(tiny.delta, tmp_path / "shallow", tiny)
+    assert compiled_ops(deep, tmp_path / "deep", tiny) == shallow > 100  # (a layer's forward and backward)
 
 
 # -- resuming ----------------------------------------------------------------------------------
