@@ -34,7 +34,8 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     (bf16), the step under bf16 autocast; full fine-tuning trains the bf16 weights as they
                     are (its cheapest form: no fp32 master copy).
   train step / memory compiled
-                    the same arms under torch.compile (default mode), as `deltafy train --compile` runs
+                    the same arms under torch.compile (default mode), a graph a decoder layer, as `deltafy
+                    train --compile` runs
                     them: full FT, LoRA r=8 and heads-only (the fused path traces the formula there).
   train memory      peak of a step: the variant's own weights, buffers and optimizer state plus the step's
                     peak allocation above what was allocated when it began (so the other variants that
@@ -275,8 +276,11 @@ class ModelRun:
                 if variant in self.models:  # (a copy: the rows after this one measure the heads as they were)
                     model = copy.deepcopy(self.models[variant]).train()
                     arms[variant] = (model, heads_only(model))
-            if compiled:  # (the optimizers hold the models' own parameters, which the compiled calls read)
-                arms = {arm: (torch.compile(model), opt) for arm, (model, opt) in arms.items()}
+            if compiled:  # each decoder layer on its own, as `deltafy train --compile` (accelerate's regional
+                # compilation); the optimizers hold the models' own parameters, which the compiled calls read
+                from accelerate.utils import compile_regions
+
+                arms = {arm: (compile_regions(model), opt) for arm, (model, opt) in arms.items()}
             results = self.bench.train(arms)
         finally:
             arms.clear()
