@@ -131,7 +131,7 @@ def sharded_trainer(trainer_class, make_optimizer, make_scheduler):
             super().create_accelerator_and_postprocess()
             state = self.accelerator.state
             # --compile: each decoder layer compiled on its own, the first layer's code serving the others
-            # (accelerate's regional compilation): the first step compiles as fast for 80 layers as for 2
+            # (accelerate's regional compilation): a deep model's first step compiles in a shallow one's time
             state.dynamo_plugin.use_regional_compilation = self.args.torch_compile
             if self.is_deepspeed_enabled:
                 if self.args.torch_compile and state.deepspeed_plugin.zero_stage == 3:

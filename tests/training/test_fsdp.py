@@ -126,8 +126,9 @@ def test_fsdp_compiled_matches_one_process_and_resumes_exactly(tiny, tmp_path, s
 
 
 def test_fsdp_compiled_compiles_every_layer_of_a_deep_model(tiny, tmp_path):
-    """FSDP's hooks break the graph at each decoder layer, so each layer's forward is a frame dynamo compiles.
-    The graph of the first layer serves the others (nothing a site does names its layer); when it guarded
+    """Under FSDP each decoder layer's forward is a frame dynamo compiles (regional compilation; FSDP's hooks
+    break the graph there too). The graph of the first layer serves the others (nothing a site does names
+    its layer); when it guarded
     each site call's identity, every layer was compiled again, and past torch's limit of 8 graphs a frame
     the other layers of this 12-layer model trained eagerly, silently."""
     from deltafy.conversion.job import convert_source
