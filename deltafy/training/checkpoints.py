@@ -183,7 +183,7 @@ def atomic_trainer():
                 self._staging = False
 
         def unwrapped(self, model):
-            """The model itself: no DDP, DeepSpeed or torch.compile (--compile) wrapper, whose names add a prefix."""
+            """The model itself: no DDP, DeepSpeed or torch.compile (--compile) wrapper, which add to its names."""
             return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
         def save_model(self, output_dir=None, _internal_call=False) -> None:

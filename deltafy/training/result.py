@@ -69,7 +69,7 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         trainable_params=run.trainable,
         out=out,
     )
-    trained = trainer.unwrapped(trainer.model)  # (under --fsdp --compile the Trainer's is torch.compile's wrapper)
+    trained = trainer.unwrapped(trainer.model)  # (--compile without FSDP: a copy whose layers torch.compile wraps)
     if is_sharded(trainer):  # FSDP (--fsdp, or an accelerate config): each rank holds a shard only
         status("gathering the trained parameters")
         gathered = gather_trained(trained)  # a collective: every rank takes part

@@ -148,6 +148,17 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def deep_delta(tokenizer, root: Path, layers: int) -> Path:
+    """The tiny llama with ``layers`` decoder layers, converted in ``root``/delta{layers}."""
+    from deltafy.conversion.job import convert_source
+
+    stock, delta = root / f"stock{layers}", root / f"delta{layers}"
+    build_stock_model(tokenizer, layers=layers).save_pretrained(stock)
+    tokenizer.save_pretrained(stock)
+    convert_source(str(stock), delta)
+    return delta
+
+
 def interrupted_at(straight: Path, step: int, out: Path) -> Path:
     """``out`` as the run in ``straight`` would have left it, stopped after ``step``: its checkpoint there, its
     record (checked on resume) and the metrics of its first ``step`` steps."""

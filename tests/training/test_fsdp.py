@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.training import (
     REPO,
-    build_stock_model,
+    deep_delta,
     interrupted_at,
     read_metrics,
     read_tensors,
@@ -112,8 +112,8 @@ def test_torchrun_fsdp_matches_one_process(tiny, tmp_path, single):
 
 
 def test_fsdp_compiled_matches_one_process_and_resumes_exactly(tiny, tmp_path, single):
-    """--compile over FSDP: the graph holds the sharded model, whose checkpoints and output must still
-    carry the model's own names (torch.compile's wrapper adds _orig_mod.); resumed after step 2, bitwise."""
+    """--compile over FSDP: each decoder layer compiled in place, then sharded; the checkpoints and output
+    carry the model's own names; resumed after step 2, bitwise."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     out = tmp_path / "fsdp"
     check_sharded_run(launch(torchrun, tiny, out, "--fsdp", "--compile"), out, single, tiny)
@@ -131,12 +131,7 @@ def test_fsdp_compiled_compiles_every_layer_of_a_deep_model(tiny, tmp_path):
     its layer); when it guarded
     each site call's identity, every layer was compiled again, and past torch's limit of 8 graphs a frame
     the other layers of this 12-layer model trained eagerly, silently."""
-    from deltafy.conversion.job import convert_source
-
-    stock, delta = tmp_path / "stock12", tmp_path / "delta12"
-    build_stock_model(tiny.tokenizer, layers=12).save_pretrained(stock)
-    tiny.tokenizer.save_pretrained(stock)
-    convert_source(str(stock), delta)
+    delta = deep_delta(tiny.tokenizer, tmp_path, 12)
     out = tmp_path / "fsdp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {"TORCH_LOGS": "recompiles"}  # (deltafy's command line leaves a user's TORCH_LOGS as it is)

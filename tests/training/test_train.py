@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.training import (
     REPO,
-    build_stock_model,
+    deep_delta,
     interrupted_at,
     read_metrics,
     read_tensors,
@@ -240,12 +240,7 @@ def test_a_compiled_run_compiles_one_decoder_layer_for_all(tiny, tmp_path):
     layer's graph serves the others, so a deep model's first step compiles as fast as a shallow one's: a
     12-layer run captures the ops of a 2-layer one. The whole model as one graph captured every layer's
     (6 times as many here), and so did a graph for each layer."""
-    from deltafy.conversion.job import convert_source
-
-    stock, deep = tmp_path / "stock12", tmp_path / "delta12"
-    build_stock_model(tiny.tokenizer, layers=12).save_pretrained(stock)
-    tiny.tokenizer.save_pretrained(stock)
-    convert_source(str(stock), deep)
+    deep = deep_delta(tiny.tokenizer, tmp_path, 12)
     shallow = compiled_ops(tiny.delta, tmp_path / "shallow", tiny)
     assert compiled_ops(deep, tmp_path / "deep", tiny) == shallow > 100  # (a layer's forward and backward)
 
