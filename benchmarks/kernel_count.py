@@ -4,6 +4,7 @@
     python benchmarks/kernel_count.py --models smollm2 --dtype float32
     python benchmarks/kernel_count.py --recipe ddl-learned --top 12   # and the ops the conversion adds, by name
     python benchmarks/kernel_count.py --compile                       # also torch.compile'd (minutes per model on CPU)
+    python benchmarks/kernel_count.py --phases train --compile --gradient-checkpointing --models smollm2
     python benchmarks/kernel_count.py --device cuda --compile         # CUDA kernel launches; the fused path too
 
 A decode step is dispatch-bound: at batch 1 its time is about (kernels launched) x (cost of a launch),
@@ -23,7 +24,9 @@ Decode token: batch 1 with the KV cache (DynamicCache) after an 8-token prompt a
 the model's forward of one new token, averaged over --decode-steps steps (fixed tokens, so no argmax).
 Training step: forward with labels (the loss) and loss.backward() of a --batch x --seq-len batch,
 averaged over --train-steps steps after a warm-up; no optimizer step; a bf16 model under bf16 autocast,
-its heads in fp32 (as `deltafy train` holds what trains). Two settings:
+its heads in fp32 (as `deltafy train` holds what trains); --gradient-checkpointing: every decoder layer
+checkpointed (non-reentrant, as `deltafy train --gradient-checkpointing`), and a compiled cell compiled
+under deltafy's compiled_checkpointing(), as `deltafy train --compile` runs. Two settings:
   train, heads-only   converted: only the DDL heads require grad (deltafy.head_parameter_groups).
                       original: every weight frozen, the embeddings' output requires grad
                       (enable_input_require_grads), so its backward runs through every layer for the
@@ -62,6 +65,7 @@ from transformers import DynamicCache
 
 import deltafy
 import deltafy.fused
+from deltafy.training.job import compiled_checkpointing
 
 # aten ops that launch no compute: views, metadata, allocation, and the dispatch-only wrappers whose
 # work (if any) shows as a child op (to -> _to_copy -> copy_, contiguous -> clone -> copy_)
@@ -288,18 +292,21 @@ def count_kernels(
     train_steps: int = 1,
     batch: int = 2,
     seq_len: int = 64,
+    checkpointing: bool = False,
 ) -> dict:
-    """Kernels per step of ``original`` (left as it is) and of its conversion with ``recipe``.
+    """Kernels per step of ``original`` (left as it is) and of its conversion with ``recipe``; ``checkpointing``:
+    the training phases with activation checkpointing.
 
     Returns {"sites": n, "device": ..., "counts": {phase: {column: kernels per step or None}},
     "names": {phase: {column: Counter of kernel names}}, "notes": {column: why it is None}} with the
     phases of PHASES and the columns original, reference, fused and, with ``with_compile``, "compiled
     original", "compiled reference", "compiled fused"; ``derived(result, phase)`` adds the ratios."""
     with interpreted(device):
-        return _count(original, recipe, device, phases, with_compile, decode_steps, train_steps, batch, seq_len)
+        steps = (decode_steps, train_steps, batch, seq_len)
+        return _count(original, recipe, device, phases, with_compile, *steps, checkpointing)
 
 
-def _count(original, recipe, device, phases, with_compile, decode_steps, train_steps, batch, seq_len) -> dict:
+def _count(original, recipe, device, phases, with_compile, decode_steps, train_steps, batch, seq_len, checkpointing):
     if device == "cpu":
         import torch._inductor.config as inductor_config
 
@@ -331,18 +338,24 @@ def _count(original, recipe, device, phases, with_compile, decode_steps, train_s
             if path not in models:
                 continue
             model = models[path]
-            call, started = None, time.monotonic()
-            if column.startswith("compiled"):
+            call, started, compiled = None, time.monotonic(), column.startswith("compiled")
+            if compiled:
                 torch._dynamo.reset()  # each compiled cell traces afresh (train settings change the graph)
                 call = torch.compile(model)
             try:
-                with launches_counted(device) if path == "fused" else contextlib.nullcontext():
+                with contextlib.ExitStack() as cell:
+                    if path == "fused":
+                        cell.enter_context(launches_counted(device))
+                    if compiled:
+                        cell.enter_context(compiled_checkpointing())
                     if phase == "decode":
                         model.eval()
                         n, by_name = decode_kernels(model, call, decode_steps, device)
                     else:
                         default = "heads" if phase == "train" else "full"
                         set_trainable(model, settings[phase].get(path, default))
+                        if checkpointing:
+                            _checkpointing(model, True)
                         n, by_name = train_kernels(model, call, batch, seq_len, train_steps, device)
             except Exception as err:
                 notes[column] = f"error: {_first_line(err)}"
@@ -356,9 +369,19 @@ def _count(original, recipe, device, phases, with_compile, decode_steps, train_s
     return {"sites": n_sites(converted), "device": device, "counts": counts, "names": names, "notes": notes}
 
 
+def _checkpointing(model, on: bool) -> None:
+    # under the name this transformers has: gradient_* is a deprecated alias of activation_* since v5
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if on:
+        getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{name}_checkpointing_disable")()
+
+
 def _untrain(model) -> None:
     with contextlib.suppress(Exception):
         model.disable_input_require_grads()
+    _checkpointing(model, False)
     for p in model.parameters():
         p.requires_grad_(False)
         if hasattr(p, "_held_as"):  # (set_trainable's fp32 heads, back in the model's dtype)
@@ -411,7 +434,8 @@ def print_table(label: str, result: dict, args, top: int = 0) -> None:
     head += f" {'fused':>9s} {'ratio':>6s}"
     if with_compile:
         head += f" {'c.original':>10s} {'c.reference':>11s} {'ratio':>6s} {'c.fused':>9s} {'ratio':>6s}"
-    print(f"\n{label}: {args.dtype}, {result['device']}, {args.recipe}, {result['sites']} sites")
+    checkpointed = ", training with every layer checkpointed" * args.gradient_checkpointing
+    print(f"\n{label}: {args.dtype}, {result['device']}, {args.recipe}, {result['sites']} sites{checkpointed}")
     print(head)
     for phase in result["counts"]:
         d = derived(result, phase)
@@ -446,6 +470,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
     parser.add_argument("--compile", action="store_true", help="also count the torch.compile'd models")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="train phases with every decoder layer checkpointed"
+    )
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2)
@@ -477,6 +504,7 @@ def main() -> None:
             args.train_steps,
             args.batch,
             args.seq_len,
+            args.gradient_checkpointing,
         )
         print_table(LABELS.get(name, name), result, args, args.top)
         del original, result

@@ -305,7 +305,8 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
     else:
         stop.training = True
         try:
-            trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
+            with compiled_checkpointing() if options.compile else contextlib.nullcontext():
+                trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
         except KeyboardInterrupt:  # a second signal: the user's doing, not a failure (from None below)
             last, _ = newest_complete(state_dir)
             kept = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
@@ -342,6 +343,15 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
 def _first_step(options) -> str:
     # a compiled run's first step takes minutes on a big model, with nothing shown: say why
     return "compiling the first step (torch.compile) …" * options.compile
+
+
+def compiled_checkpointing():
+    """Where torch.compile meets activation checkpointing: a layer's sites pass its stream from capture to write
+    through the stash, a dict from outside the layer. Dynamo will not trace that mutation inside a checkpointed
+    region (the recompute in the backward would replay it): it broke the graph there, and every layer ran
+    eagerly. A layer leaves the stash as it found it, so the forward's effects, applied once, are what a replay
+    would apply: dynamo may skip the replay, and each checkpointed layer compiles into one graph."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def _checkpointing_args(enabled: bool) -> dict:

@@ -159,6 +159,19 @@ def test_kernel_counts_of_a_tiny_llama(capsys):
     assert all(not name.startswith("aten::view") and name not in kernels.NO_WORK for name in names)
 
 
+def test_kernel_counts_of_compiled_checkpointed_layers():
+    """Trained with every layer checkpointed, the compiled converted model runs its layers as graphs: until
+    the training loop let dynamo apply a forward's effects once (deltafy.training.job.compiled_checkpointing),
+    the sites' stash broke the graph at each checkpoint and the layers ran eagerly, as many kernels as eager."""
+    kernels = _script("kernel_count")
+    result = kernels.count_kernels(
+        tiny_model("llama-tied"), phases=("train",), with_compile=True, batch=1, seq_len=16, checkpointing=True
+    )
+    counts = result["counts"]["train"]
+    assert counts["reference"] > 0 and counts["compiled reference"] < counts["reference"] / 3, result["notes"]
+    assert counts["compiled original"] < counts["original"] / 3, result["notes"]
+
+
 def _site_call(*args: str, env: dict | None = None) -> tuple[dict, str, dict]:
     """site_call.py --decode at width 64: its call rows (issue, total µs), what follows them up to the decode
     table (notes, the profile), and the decode rows (µs a token, added a site)."""
