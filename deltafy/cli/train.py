@@ -122,9 +122,12 @@ def train_command(
         return
     if result.loss_after == result.loss_after:  # not NaN: this is the process that evaluated
         delta, steps = result.loss_after - result.loss_before, f"{result.steps} step{'s' * (result.steps != 1)}"
+        speed = f"{result.seconds_per_step:.2f} s/step"
+        if result.first_step_seconds is not None:  # --compile: its first step compiled
+            speed += f" (the first, compiling: {result.first_step_seconds:.1f} s)"
         console.print(
             f"held-out loss {result.loss_before:.4f} → {result.loss_after:.4f} ({delta:+.4f} nats) after "
-            f"{steps}, {result.seconds_per_step:.2f} s/step, {result.trainable_params:,} trained"
+            f"{steps}, {speed}, {result.trainable_params:,} trained"
         )
         from ..checkpoint import read_config
         from ..training.plots import factor_label

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,8 +106,8 @@ def run_training(
         )
         if isinstance(run, TrainResult):  # a resumed run that had finished and written its model
             return run
-        trainer, seconds_per_step = _fit(run, show_progress, stop, status)
-        result = finish(run, trainer, seconds_per_step, status)
+        trainer, timing = _fit(run, show_progress, stop, status)
+        result = finish(run, trainer, timing, status)
         leave_process_group()
         return result
 
@@ -298,7 +297,6 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
     status("held-out loss before training")
     if run.main:  # where the Trainer put the model (a GPU), not on the CPU it was loaded on; FSDP shards it later
         run.before = evaluate(run.model, run.eval_blocks, options.batch_size).loss
-    started = time.perf_counter()
     if run.finished:
         trainer._load_from_checkpoint(str(run.checkpoint))
         trainer.state.global_step = step_of(run.checkpoint)
@@ -337,7 +335,7 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
             f"{state_dir / f'checkpoint-{trainer.state.global_step}'}: continue with the same command plus --resume",
             stop.signal,
         )
-    return trainer, (time.perf_counter() - started) / max(trainer.state.global_step, 1)
+    return trainer, progress.timing()
 
 
 def _first_step(options) -> str:

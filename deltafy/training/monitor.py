@@ -25,16 +25,19 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
     class Monitor(TrainerCallback):
         """Metrics as JSON lines; progress as a rich bar on a terminal, else a plain line every
         tenth of the run (a log file or CI would otherwise show nothing until the end), ``first``
-        saying what the first step does beyond a step (compiling); a stop on a non-finite loss or a signal."""
+        saying what the first step does beyond a step (compiling); a stop on a non-finite loss or a signal.
+        With a ``first``, the speeds shown and ``timing()`` leave that step out: a compiled run's first
+        step takes minutes, and a mean over it would say nothing of the steps the run is made of."""
 
         def __init__(self):
             self.progress = None
             self.started = None
             self.every = max(1, total_steps // 10)
+            self.steps, self.first_end, self.last_end = 0, None, None  # this session's steps, when they ended
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
-            self.first_step = state.global_step
+            self.first_step, self.steps = state.global_step, 0
             if show_progress and state.is_world_process_zero and sys.stderr.isatty():
                 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -52,6 +55,8 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
                 to_stderr(f"train: {first}")
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.steps, self.last_end = self.steps + 1, time.perf_counter()
+            self.first_end = self.first_end if self.steps > 1 else self.last_end
             if stop.requested():  # at a step boundary: save this step, then leave the loop
                 control.should_save = True
                 control.should_training_stop = True
@@ -64,9 +69,11 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
                 control.should_save = False
                 state.deltafy_nonfinite = state.global_step
                 return
-            elapsed = time.perf_counter() - self.started
-            done = max(state.global_step - self.first_step, 1)
-            logs |= {"step": state.global_step, "tokens_per_second": done * tokens_per_step / elapsed}
+            since, done = self.started, max(state.global_step - self.first_step, 1)
+            if first and done > 1:  # (the first step's end is known: on_log follows on_step_end)
+                since, done = self.first_end, done - 1
+            speed = done * tokens_per_step / (time.perf_counter() - since)
+            logs |= {"step": state.global_step, "tokens_per_second": speed}
             if not state.is_world_process_zero:
                 return
             append_metrics(out, logs)
@@ -83,6 +90,15 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
 
         def on_train_end(self, args, state, control, **kwargs):
             self.stop()
+
+        def timing(self) -> tuple[float, float | None]:
+            """Seconds a step over this session's steps, and the first step's seconds where it was left out
+            of that mean (with a ``first``, and other steps after it), else None."""
+            if not self.steps:
+                return 0.0, None
+            if not first or self.steps == 1:
+                return (self.last_end - self.started) / self.steps, None
+            return (self.last_end - self.first_end) / (self.steps - 1), self.first_end - self.started
 
         def stop(self):
             if self.progress is not None:

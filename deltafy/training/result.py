@@ -25,12 +25,13 @@ class TrainResult:
     steps: int
     loss_before: float
     loss_after: float
-    seconds_per_step: float
+    seconds_per_step: float  # over this session's steps, the first left out where it compiled (and others followed)
     trainable_params: int
     mean_beta_per_layer: list[float] = field(default_factory=list)
     mean_beta_on: str = ""  # the text mean_beta_per_layer was measured on
     out: Path | None = None
     already_finished: bool = False  # a resume found the run done: nothing trained, the losses are its summary's
+    first_step_seconds: float | None = None  # --compile: the first step (compiling), left out of seconds_per_step
 
 
 def finished_result(out: Path, steps: int) -> TrainResult:
@@ -53,7 +54,7 @@ def finished_result(out: Path, steps: int) -> TrainResult:
     )
 
 
-def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
+def finish(run, trainer, timing: tuple[float, float | None], status) -> TrainResult:
     """After the last step of ``run`` (the job's _Run): the trained model gathered (FSDP), evaluated,
     reported in metrics.jsonl and figures, and saved into ``--out`` with the run's settings as its
     recipe's training section."""
@@ -65,7 +66,8 @@ def finish(run, trainer, seconds_per_step: float, status) -> TrainResult:
         steps=trainer.state.global_step,
         loss_before=run.before,
         loss_after=float("nan"),
-        seconds_per_step=seconds_per_step,
+        seconds_per_step=timing[0],
+        first_step_seconds=timing[1],
         trainable_params=run.trainable,
         out=out,
     )

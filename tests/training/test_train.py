@@ -10,6 +10,7 @@ import ast
 import gc
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -721,6 +722,9 @@ def test_torchrun_two_processes(tiny, tmp_path, compiled):
     assert "will be ignored" not in proc.stderr  # torch.compile's note on DDP's profiler ranges, from every rank
     # a compiled run says what its (long) first step does, once: rank 0 reports
     assert proc.stderr.count("compiling the first step (torch.compile)") == compiled
+    # and leaves that step out of its s/step, giving it apart (a mean over minutes of compiling says nothing)
+    first = r" \(the first, compiling: \d+\.\d s\)" if compiled else ""
+    assert re.search(rf"after 4 steps, \d+\.\d\d s/step{first}, [\d,]+ trained", proc.stdout), proc.stdout
     assert len(list(out.glob("*.safetensors"))) == 1
     assert sorted(p.name for p in (out / "training").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert {p.name for p in (out / "training" / "checkpoint-4").glob("rng_state_*")} == {
