@@ -348,7 +348,10 @@ def compiled_checkpointing():
     through the stash, a dict from outside the layer. Dynamo will not trace that mutation inside a checkpointed
     region (the recompute in the backward would replay it): it broke the graph there, and every layer ran
     eagerly. A layer leaves the stash as it found it, so the forward's effects, applied once, are what a replay
-    would apply: dynamo may skip the replay, and each checkpointed layer compiles into one graph."""
+    would apply: dynamo may skip the replay, and each checkpointed layer compiles into one graph (a torch
+    without the setting runs them eagerly, as before)."""
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
