@@ -295,7 +295,9 @@ def _fit(run: _Run, show_progress: bool, stop: Stop, status):
     )
     trainer.remove_callback(PrinterCallback)  # the Monitor callback reports progress instead
     status("held-out loss before training")
-    if run.main:  # where the Trainer put the model (a GPU), not on the CPU it was loaded on; FSDP shards it later
+    # Where the Trainer put the model: a GPU; under FSDP or DeepSpeed, which shard it later, the CPU it was loaded
+    # on, whole, on rank 0 (the after-training loss too: on the model rebuilt there), which costs a big model minutes
+    if run.main:
         run.before = evaluate(run.model, run.eval_blocks, options.batch_size).loss
     if run.finished:
         trainer._load_from_checkpoint(str(run.checkpoint))
