@@ -37,7 +37,7 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
-            self.first_step, self.steps = state.global_step, 0
+            self.steps = 0
             if show_progress and state.is_world_process_zero and sys.stderr.isatty():
                 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -56,7 +56,8 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps, self.last_end = self.steps + 1, time.perf_counter()
-            self.first_end = self.first_end if self.steps > 1 else self.last_end
+            if self.steps == 1:
+                self.first_end = self.last_end
             if stop.requested():  # at a step boundary: save this step, then leave the loop
                 control.should_save = True
                 control.should_training_stop = True
@@ -69,10 +70,8 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
                 control.should_save = False
                 state.deltafy_nonfinite = state.global_step
                 return
-            since, done = self.started, max(state.global_step - self.first_step, 1)
-            if first and done > 1:  # (the first step's end is known: on_log follows on_step_end)
-                since, done = self.first_end, done - 1
-            speed = done * tokens_per_step / (time.perf_counter() - since)
+            since, steps = self._span()  # (on_log follows on_step_end: this step is counted)
+            speed = steps * tokens_per_step / (time.perf_counter() - since)
             logs |= {"step": state.global_step, "tokens_per_second": speed}
             if not state.is_world_process_zero:
                 return
@@ -96,9 +95,16 @@ def monitor(out: Path, total_steps: int, tokens_per_step: int, show_progress: bo
             of that mean (with a ``first``, and other steps after it), else None."""
             if not self.steps:
                 return 0.0, None
-            if not first or self.steps == 1:
-                return (self.last_end - self.started) / self.steps, None
-            return (self.last_end - self.first_end) / (self.steps - 1), self.first_end - self.started
+            since, steps = self._span()
+            left_out = self.first_end - self.started if since != self.started else None
+            return (self.last_end - since) / steps, left_out
+
+        def _span(self) -> tuple[float, int]:
+            """Since when, and over how many of this session's steps, a speed is measured: from the end of the
+            first step where a ``first`` made it slow and others followed it, else from the start."""
+            if first and self.steps > 1:
+                return self.first_end, self.steps - 1
+            return self.started, max(self.steps, 1)
 
         def stop(self):
             if self.progress is not None:
