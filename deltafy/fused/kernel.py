@@ -78,7 +78,10 @@ def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
-    cv, hv, rc, unit, wg, sig, raw, k, inv_n = _recompute(
+    # At a 13B's width (a block of 8192 over 16 warps) a thread holds 16 values of each row vector in its 128
+    # registers: what is live beyond about seven vectors spills to memory. So c, raw kr and w_g are not kept
+    # (the gradients are written through unit and k, and w_g is read again at the end).
+    _, _, rc, unit, _, sig, _, k, inv_n = _recompute(
         c_ptr + row * d, h_ptr + row * d, kr_ptr + row * d, wg_ptr, bg_ptr, cols, mask, eps2, LEARNED)
     if STRENGTH:
         alpha = tl.load(alpha_ptr).to(tl.float32)
@@ -94,7 +97,7 @@ def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr
     x_ptr += row * d
     go_ptr += row * d
     dx_ptr += row * d
-    for j in tl.static_range(CHANNELS):
+    for j in range(CHANNELS):  # a loop, not unrolled: unrolled, the channels' rows would be live together
         xv = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         go = tl.load(go_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wt = tl.load(wt_ptr + j * d + cols, mask=mask, other=0.0).to(tl.float32)
@@ -122,14 +125,16 @@ def _backward_kernel(x_ptr, c_ptr, h_ptr, kr_ptr, wg_ptr, bg_ptr, wt_ptr, bt_ptr
         dx_ptr += s_j
     dk += (-dinv * inv_n * inv_n * inv_n) * k  # inv_n = (k.k + eps^2)^-1/2
     dg = dsig * sig * (1.0 - sig)
-    dunit += dg * wg
-    drc = tl.sum(dunit * cv, axis=0)
+    dunit += dg * tl.load(wg_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # the gradient through rc = (c.c + 1e-6)^-1/2 of unit = rc c and (learned) k = rc raw, as rc times
+    # (dunit - s unit): s = (dunit.c + dk.raw) rc^2 = dunit.unit + dk.k
+    s = tl.sum(dunit * unit, axis=0)
     if LEARNED:
         tl.store(dkr_ptr + row * d + cols, (dk * rc).to(dkr_ptr.dtype.element_ty), mask=mask)
-        drc += tl.sum(dk * raw, axis=0)
+        s += tl.sum(dk * k, axis=0)
     else:
         dh += dk
-    dc = dunit * rc - (drc * rc * rc * rc) * cv  # rc = (c.c + 1e-6)^-1/2
+    dc = (dunit - s * unit) * rc
     tl.store(dc_ptr + row * d + cols, dc.to(dc_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + row * d + cols, dh.to(dh_ptr.dtype.element_ty), mask=mask)
     # per row the unit context and [dg, du_j, dalpha]: the heads' gradients are dgu^T @ unit and dgu's sum

@@ -1,5 +1,6 @@
 """benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernel_count.py
-counts more kernels for a converted tiny Llama than for its original; benchmarks/site_call.py times a site."""
+counts more kernels for a converted tiny Llama than for its original; benchmarks/site_call.py times a site;
+benchmarks/kernel_build.py builds the fused kernels for GPUs."""
 
 from __future__ import annotations
 
@@ -246,6 +247,27 @@ def test_the_command_line_check_passes_on_cpu():
     stdout = _run("gpu_cli.py")
     assert "no GPU (CPU run)" in stdout and stdout.rstrip().endswith("all checks passed")
     assert stdout.count("\nok ") >= 14 and "FAIL" not in stdout
+
+
+def _build_rows(stdout: str) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """kernel_build.py's rows: (model, (registers, spilled bytes) forward, the same backward)."""
+    rows = []
+    for line in stdout.splitlines()[2:]:
+        cells = re.fullmatch(r"\s*(\S+) .* (\d+) / (\d+) +(\d+) / (\d+)", line)
+        assert cells, line
+        rows.append((cells[1], (int(cells[2]), int(cells[3])), (int(cells[4]), int(cells[5]))))
+    return rows
+
+
+def test_the_fused_kernels_build_for_a100_h100_and_h200():
+    """Every variant of the fused kernels (dtype, heads' dtype, direction, gate, channels) compiles to a cubin
+    for sm_90, and the ddl-scalar recipe's at every width for sm_80; the fused tests run the kernels under
+    Triton's interpreter, which never compiles them (a loop variable that changes type passes there)."""
+    rows = _build_rows(_run("kernel_build.py", "--every-variant", "--widths", "smollm2-135m"))
+    assert len(rows) == 8 + 16 + 16  # fp32; bf16 and fp16 with their heads in their own dtype or fp32
+    assert all(0 < kernel[0] <= 255 for _, *kernels in rows for kernel in kernels)
+    rows = _build_rows(_run("kernel_build.py", "--arch", "80"))
+    assert [row[0] for row in rows] == ["smollm2-135m", "gpt2", "llama-1b", "llama-3b", "7b", "13b", "70b", "widest"]
 
 
 def _kernel_rows(stdout: str) -> dict:
