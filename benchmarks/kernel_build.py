@@ -19,6 +19,7 @@ for a GPU run to judge.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -119,16 +120,13 @@ def registers(compiled, arch: int) -> tuple[int, int]:
 
 
 def variants(every: bool):
-    """(dtype, params dtype, channels, learned, strength): the ddl-scalar recipe's site in bf16, or all kinds."""
+    """(dtype, heads' dtype, channels, learned, strength): the ddl-scalar recipe's site in bf16, or every kind
+    (the heads stored in the model's dtype, or held in fp32 while they train)."""
     if not every:
-        yield torch.bfloat16, torch.bfloat16, 1, False, True
-        return
-    for dtype in _NAMES:
-        for params in dict.fromkeys((dtype, torch.float32)):  # heads stored as the model, or held in fp32 while they train
-            for channels in (1, 4):
-                for learned in (False, True):
-                    for strength in (False, True):
-                        yield dtype, params, channels, learned, strength
+        return [(torch.bfloat16, torch.bfloat16, 1, False, True)]
+    kinds = itertools.product((1, 4), (False, True), (False, True))
+    heads = [(dtype, params) for dtype in _NAMES for params in dict.fromkeys((dtype, torch.float32))]
+    return [(dtype, params, *kind) for (dtype, params), kind in itertools.product(heads, list(kinds))]
 
 
 def main(argv=None) -> None:
@@ -154,7 +152,8 @@ def main(argv=None) -> None:
                 f"{_NAMES[dtype]} (heads {_NAMES[params]}), {'learned' if learned else 'sublayer'}, "
                 f"{'strength' if strength else 'logit'}{f', {channels} ch' if channels > 1 else ''}"
             )
-            print(f"{model:>14} {width:>6} {plan.block:>6} {plan.num_warps:>5} {kind:<34} {cells[0]:>11} {cells[1]:>11}")
+            row = f"{model:>14} {width:>6} {plan.block:>6} {plan.num_warps:>5} {kind:<34}"
+            print(f"{row} {cells[0]:>11} {cells[1]:>11}")
 
 
 if __name__ == "__main__":
