@@ -7,13 +7,12 @@ and spills ptxas reports per model width, and whether every variant compiles.
 
 Triton's interpreter (TRITON_INTERPRET=1, how the tests run the kernels on CPU) checks what a kernel
 computes, not that it compiles: it runs the kernel as Python, so code the compiler refuses (a loop
-variable that changes type, an arange that is not a power of 2) passes there and fails on the first GPU
-launch. triton.compile builds for a named GPU without one, down to the cubin, with the ptxas that Triton
-ships; the kernels are built with the Plan (block, warps, constants) that kernel.plan gives a real site,
-and with the pointer and integer types of a real launch (kernel.write's). A kernel keeps a whole row of
-each vector it works on in registers: past what a thread may hold (65,536 registers shared by the block's
-threads), ptxas spills to local memory, which the GPU caches but which costs time; how much is a number
-for a GPU run to judge.
+variable whose type changes) passes there and fails on the first GPU launch. triton.compile builds for
+a named GPU without one, down to the cubin, with the ptxas that Triton ships. The kernels are built with
+the Plan (block, warps, constants) that kernel.plan gives a real site, and with the pointer and integer
+types of a real launch (kernel.write's). A kernel keeps a whole row of each vector it works on in
+registers: past what a thread may hold (a block's threads share 65,536 registers), ptxas spills to local
+memory, which the GPU caches but which costs time; how much is a number for a GPU run to judge.
 """
 
 from __future__ import annotations
