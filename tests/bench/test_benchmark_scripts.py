@@ -1,6 +1,6 @@
 """benchmarks/gpu.py --cpu runs end to end and prints its table with finite numbers; benchmarks/kernel_count.py
 counts more kernels for a converted tiny Llama than for its original; benchmarks/site_call.py times a site;
-benchmarks/kernel_build.py builds the fused kernels for GPUs."""
+benchmarks/kernel_build.py builds the fused kernels for GPUs; benchmarks/site_step.py times a site's training step."""
 
 from __future__ import annotations
 
@@ -268,6 +268,25 @@ def test_the_fused_kernels_build_for_a100_h100_and_h200():
     assert all(0 < kernel[0] <= 255 for _, *kernels in rows for kernel in kernels)
     rows = _build_rows(_run("kernel_build.py", "--arch", "80"))
     assert [row[0] for row in rows] == ["smollm2-135m", "gpt2", "llama-1b", "llama-3b", "7b", "13b", "70b", "widest"]
+
+
+@pytest.mark.parametrize(
+    "args, tolerance",
+    [
+        (("--widths", "64,576"), 2e-2),
+        (("--widths", "64", "--direction", "learned", "--channels", "3", "--dtype", "float32"), 1e-4),
+    ],
+    ids=["ddl-scalar-bf16", "learned-3-channels-fp32"],
+)
+def test_site_step_times_both_paths_and_their_gap(args, tolerance):
+    """Under Triton's interpreter the fused rows run on CPU: each width's row has both times and the fused
+    path's output and gradients within the dtype's rounding of the formula's (bf16: a few of its 2^-8 steps)."""
+    stdout = _run("site_step.py", "--tokens", "8", "--reps", "1", *args, env={"TRITON_INTERPRET": "1"})
+    rows = [line.split(maxsplit=4) for line in stdout.splitlines()[2:]]
+    assert [int(row[0]) for row in rows] == [int(w) for w in args[1].split(",")]
+    for _, formula, fused, ratio, gaps in rows:
+        assert _positive(float(formula)) and _positive(float(fused)) and _positive(float(ratio))
+        assert all(0 <= float(gap) < tolerance for gap in gaps.split(", ")), gaps
 
 
 def _kernel_rows(stdout: str) -> dict:
