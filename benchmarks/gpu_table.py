@@ -7,7 +7,12 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-LABELS = {"smollm2": "SmolLM2-135M", "llama-1b": "Llama-1B (random)", "tiny-llama": "tiny Llama (random)"}
+LABELS = {
+    "smollm2": "SmolLM2-135M",
+    "llama-1b": "Llama-1B (random)",
+    "tiny-llama": "tiny Llama (random)",
+    "deep-tiny-llama": "tiny Llama, 30 layers",
+}
 
 # measure -> (unit, baseline column label, target: (">=" or "<=", value) or None)
 MEASURES = {
@@ -19,6 +24,7 @@ MEASURES = {
     "decode b8 compiled": ("tok/s", "original", None),
     "train step vs full": ("ms", "full FT", ("<=", 0.60)),
     "train step vs LoRA": ("ms", "LoRA r=8", ("<=", 1.10)),
+    "train step floor vs full": ("ms", "full FT", None),  # (reference column: the frozen original, no sites)
     "train memory vs full": ("GiB", "full FT", None),
     "train memory vs LoRA": ("GiB", "LoRA r=8", ("<=", 1.10)),
     "train step compiled vs full": ("ms", "full FT", ("<=", 0.60)),
@@ -28,7 +34,13 @@ MEASURES = {
     "kernels decode b1": ("count", "original", None),  # (two targets: reference <= 1.8x, fused <= 1.15x)
 }
 COLUMNS = {"baseline": "original", "reference": "reference", "fused": "fused"}  # column -> variant
-TRAIN_MEASURES = ("train step vs full", "train step vs LoRA", "train memory vs full", "train memory vs LoRA")
+TRAIN_MEASURES = (
+    "train step vs full",
+    "train step vs LoRA",
+    "train step floor vs full",
+    "train memory vs full",
+    "train memory vs LoRA",
+)
 TRAIN_COMPILED = ("train step compiled vs full", "train step compiled vs LoRA", "train memory compiled vs LoRA")
 
 

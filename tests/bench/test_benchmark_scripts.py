@@ -93,6 +93,9 @@ def test_gpu_script_on_cpu_measures_finite_numbers(gpu_cpu_run):
         assert "error" not in str(row["fused"]), row
     for measure in COMPILED:  # compiled rows are off on CPU unless --compile: a note, not a number
         assert "--compile" in by_measure[measure]["reference"]
+    floor = by_measure["train step floor vs full"]  # the frozen original's backward, beside the same full FT
+    assert _positive(floor["reference"]) and floor["baseline"] == by_measure["train step vs full"]["baseline"]
+    assert floor["fused"].startswith("floor: the original, every weight frozen"), floor
     kernels = by_measure["kernels decode b1"]  # the device run counts a decode token's kernels too
     assert _positive(kernels["baseline"]) and kernels["reference"] > kernels["baseline"], kernels
     memory = by_measure["train memory vs LoRA"]
