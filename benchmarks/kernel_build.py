@@ -1,5 +1,5 @@
 """The fused site's Triton kernels built for the GPUs users have, on a machine without one: the registers
-and spills ptxas reports per model width, and whether every variant compiles.
+and spills of each built kernel per model width, and whether every variant compiles.
 
     python benchmarks/kernel_build.py                  # sm_90 (H100, H200), bf16: a row per model width
     python benchmarks/kernel_build.py --arch 80        # sm_80 (A100)
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -100,22 +101,20 @@ def build(which: str, arch: int, plan: kernel.Plan, dtype: torch.dtype, params: 
 
 
 def registers(compiled, arch: int) -> tuple[int, int]:
-    """(registers a thread, bytes spilled a thread) as ptxas reports them for the kernel's PTX."""
+    """(registers a thread, bytes of stack a thread) of the cubin Triton built, as cuobjdump (shipped beside
+    Triton's ptxas) reads them: these kernels keep no arrays, so their stack is what ptxas spilled. (ptxas run
+    again on the PTX, without Triton's options, allocated registers differently.)"""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as folder:
-        ptx = os.path.join(folder, "kernel.ptx")
-        with open(ptx, "w") as fh:
-            fh.write(compiled.asm["ptx"])
-        suffix = "a" if arch >= 90 else ""
-        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", "-o", os.devnull, ptx]
-        report = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    text = report.stdout + report.stderr
-    used = re.search(r"Used (\d+) registers", text)
-    spilled = re.search(r"(\d+) bytes spill stores", text)
-    if used is None or spilled is None:
-        raise RuntimeError(f"ptxas did not report registers and spills: {text.strip()[:200]}")
-    return int(used.group(1)), int(spilled.group(1))
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        tool = Path(get_ptxas(arch).path).with_name("cuobjdump")
+        report = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", report.stdout)
+    if usage is None:
+        raise RuntimeError(f"cuobjdump did not report registers and stack: {report.stdout.strip()[:200]}")
+    return int(usage.group(1)), int(usage.group(2))
 
 
 def variants(every: bool):
@@ -135,7 +134,7 @@ def main(argv=None) -> None:
     parser.add_argument("--widths", default=",".join(WIDTHS), help=f"comma-separated, of {', '.join(WIDTHS)}")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", module="triton")
-    print(f"sm_{args.arch}, triton {triton.__version__}: registers a thread / bytes spilled a thread, per kernel")
+    print(f"sm_{args.arch}, triton {triton.__version__}: registers a thread / bytes of stack (spills) a thread")
     print(f"{'model':>14} {'width':>6} {'block':>6} {'warps':>5} {'kind':<34} {'forward':>11} {'backward':>11}")
     for model in args.widths.split(","):
         width = WIDTHS[model]

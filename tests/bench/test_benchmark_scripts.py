@@ -253,7 +253,7 @@ def test_the_command_line_check_passes_on_cpu():
 
 
 def _build_rows(stdout: str) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
-    """kernel_build.py's rows: (model, (registers, spilled bytes) forward, the same backward)."""
+    """kernel_build.py's rows: (model, (registers, stack bytes) forward, the same backward)."""
     rows = []
     for line in stdout.splitlines()[2:]:
         cells = re.fullmatch(r"\s*(\S+) .* (\d+) / (\d+) +(\d+) / (\d+)", line)
