@@ -1,5 +1,5 @@
 """The models the benchmarks run, and what they share about them: SmolLM2-135M (bundled, or random
-weights of its shape), a random GPT-2 124M, heads opened as after training, the decode cache's keyword,
+weights of its shape), a random GPT-2 124M, a lone site, heads opened as after training, the decode cache's keyword,
 and whether deltafy.fused is there. Not a script: the scripts beside it import it (a script run from
 benchmarks/ has the folder on its path)."""
 
@@ -64,6 +64,18 @@ def load(name: str, dtype: torch.dtype):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(GPT2Config()).to(dtype).eval()
     raise SystemExit(f"unknown model {name!r}; use smollm2 or gpt2")
+
+
+def one_site(width: int, direction: str = "sublayer", gate: str = "strength", channels: int = 1):
+    """A DeltaSite of its own, built where torch builds tensors now (fp32): the MLP write of a Llama layer, by
+    default the ddl-scalar recipe's (sublayer direction, strength gate), its heads as initialized."""
+    from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec
+
+    one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
+    spec = DeltaSpec(
+        layers="model.layers", hidden_size=width, sites=(one,), direction=direction, gate=gate, channels=channels
+    )
+    return DeltaSite(spec, one)
 
 
 def open_gates(model, seed: int = 0) -> None:

@@ -32,11 +32,11 @@ import torch
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while the default is unset; 1 is it
 os.environ["TRITON_INTERPRET"] = "0"  # (under the interpreter a kernel is Python, with nothing to compile)
 import triton  # noqa: E402
+from benchmark_models import one_site  # noqa: E402  (benchmarks/ is on a script's path)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from deltafy.fused import kernel  # noqa: E402
-from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec  # noqa: E402
 
 # hidden sizes of the models people use: SmolLM2-135M, GPT-2, Llama-3.2-1B and 3B, Llama 7-8B, 13B and 70B
 WIDTHS = {"smollm2-135m": 576, "gpt2": 768, "llama-1b": 2048, "llama-3b": 3072, "7b": 4096, "13b": 5120, "70b": 8192}
@@ -51,17 +51,9 @@ _FP32 = ("unit_ptr", "dgu_ptr")  # the backward's per-row outputs, fp32 always
 
 def site_plan(width: int, channels: int, learned: bool, strength: bool) -> kernel.Plan:
     """kernel.plan of a real DeltaSite of this kind (built on the meta device: no memory)."""
-    one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
-    spec = DeltaSpec(
-        layers="model.layers",
-        hidden_size=width,
-        sites=(one,),
-        direction="learned" if learned else "sublayer",
-        gate="strength" if strength else "logit",
-        channels=channels,
-    )
+    direction, gate = "learned" if learned else "sublayer", "strength" if strength else "logit"
     with torch.device("meta"):
-        return kernel.plan(DeltaSite(spec, one))
+        return kernel.plan(one_site(width, direction, gate, channels))
 
 
 def signature(fn, plan: kernel.Plan, dtype: torch.dtype, params: torch.dtype, strength: bool):

@@ -37,19 +37,17 @@ import statistics
 import time
 
 import torch
-from benchmark_models import cache_kwarg, open_gates  # (benchmarks/ is on the path of a script run from it)
+from benchmark_models import cache_kwarg, one_site, open_gates  # (benchmarks/ is on the path of a script run from it)
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import deltafy
 import deltafy.fused
-from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec
+from deltafy.modeling_deltafy import DeltaSite
 
 
 def site(width: int, device: str, dtype: torch.dtype) -> DeltaSite:
-    one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
-    spec = DeltaSpec(layers="model.layers", hidden_size=width, sites=(one,), gate="strength")
-    module = DeltaSite(spec, one).to(device=device, dtype=dtype)
+    module = one_site(width).to(device=device, dtype=dtype)
     open_gates(module)  # the work a trained site does
     return module
 

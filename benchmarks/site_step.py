@@ -25,20 +25,16 @@ import statistics
 import time
 
 import torch
-from benchmark_models import open_gates  # (benchmarks/ is on the path of a script run from it)
+from benchmark_models import one_site, open_gates  # (benchmarks/ is on the path of a script run from it)
 
 import deltafy.fused
-from deltafy.modeling_deltafy import DeltaSite, DeltaSpec, SiteSpec
+from deltafy.modeling_deltafy import DeltaSite
 
 WIDTHS = "576,2048,4096,5120,8192,16384"  # SmolLM2, Llama-3.2-1B, 7-8B, 13B, 70B, the widest the kernels take
 
 
 def make_site(width: int, direction: str, channels: int, device: str) -> DeltaSite:
-    one = SiteSpec(name="mlp", stream="post_attention_layernorm", write="mlp")
-    spec = DeltaSpec(
-        layers="model.layers", hidden_size=width, sites=(one,), direction=direction, gate="strength", channels=channels
-    )
-    site = DeltaSite(spec, one).to(device)  # the heads in fp32, as a run holds them
+    site = one_site(width, direction, channels=channels).to(device)  # the heads in fp32, as a run holds them
     open_gates(site)  # the work a trained site does
     return site
 
