@@ -74,7 +74,7 @@ import torch
 from benchmark_models import fused_api, load_smollm2, open_gates, smollm2_label  # (on a script's path)
 from gpu_table import COLUMNS, LABELS, MEASURES, TRAIN_COMPILED, TRAIN_MEASURES, Table, finite_json
 from gpu_timing import Bench, Shapes, first_line
-from kernel_count import decode_kernels
+from kernel_count import decode_kernels, set_trainable
 
 import deltafy
 import deltafy.fused
@@ -160,10 +160,8 @@ def frozen_original(original):
     """The floor of a heads-only step: the original with every weight frozen and its backward run through
     every layer to the embeddings' output (transformers' enable_input_require_grads), which the heads of the
     first layer need; a learning rate of 0 on one probe parameter stands in for an optimizer."""
-    model = copy.deepcopy(original).train()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.enable_input_require_grads()
+    model = copy.deepcopy(original)
+    set_trainable(model, "inputs")  # (kernel_count's "train, heads-only" counts the same original)
     probe = torch.nn.Parameter(torch.zeros(1, device=next(model.parameters()).device))
     return model, torch.optim.SGD([probe], lr=0.0)
 
