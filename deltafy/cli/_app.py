@@ -39,6 +39,10 @@ def versions() -> str:
     from .. import __version__
 
     def installed(name: str) -> str:
+        if name == "torch":  # its own string names the build (2.15.0+cu132), which a CUDA wheel's metadata does not
+            import torch
+
+            return f"torch {torch.__version__}"
         try:
             return f"{name} {importlib.metadata.version(name)}"
         except importlib.metadata.PackageNotFoundError:
