@@ -311,8 +311,10 @@ class _SiteCall:
         self._module, self.inner = weakref.ref(module), module.__dict__.get("forward")
         self.captures, self.writes, self.enabled = [], [], True  # the sites whose stream, and whose write, it is
         # thread -> it ran in the checkpoint class's forward (a backend that swaps modules skips it); this thread's key
-        # from the start and for good, as a compiled graph guards the keys
-        self.ran = {_STASH.thread: False}
+        # from the start and for good, as a compiled graph guards the keys. True, as every call leaves it: a graph
+        # that guards the value too (torch 2.11's) holds from its first call (the checkpoint class's forward sets
+        # it False before each check)
+        self.ran = {_STASH.thread: True}
 
     module = property(lambda self: self._module())
 
