@@ -36,20 +36,19 @@ def versions() -> str:
     import importlib.metadata
     import platform
 
+    import torch
+
     from .. import __version__
 
     def installed(name: str) -> str:
-        if name == "torch":  # its own string names the build (2.15.0+cu132), which a CUDA wheel's metadata does not
-            import torch
-
-            return f"torch {torch.__version__}"
         try:
             return f"{name} {importlib.metadata.version(name)}"
         except importlib.metadata.PackageNotFoundError:
             return f"{name} not installed"
 
-    libraries = ("torch", "transformers", "peft", "safetensors", "accelerate", "triton")
-    return " · ".join([f"deltafy {__version__}", f"Python {platform.python_version()}", *map(installed, libraries)])
+    # torch's own string names its build (2.15.0+cu132), which a CUDA wheel's package metadata does not
+    runs_on = [f"deltafy {__version__}", f"Python {platform.python_version()}", f"torch {torch.__version__}"]
+    return " · ".join([*runs_on, *map(installed, ("transformers", "peft", "safetensors", "accelerate", "triton"))])
 
 
 def _show_version(value: bool) -> None:
