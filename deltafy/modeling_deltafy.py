@@ -13,7 +13,7 @@
 # correction. Sections and their public names (deltafy imports no other):
 #   the spec            DeltafyError, first_line, SiteSpec, DeltaSpec, DELTAFY_FORMAT_VERSION
 #   the math            ddl_reference (the formula written out), DeltaDirection, DeltaSite
-#   the surgery         apply_deltafy, remove_deltafy, disabled, first_input, discard_captures
+#   the surgery         apply_deltafy, remove_deltafy, disabled, first_input
 #   the expanded state  DeltaRead, and the call that tiles, reads and folds the stream's channels
 #   checkpoints         HEADS_FILE, BaseModelError, check_heads, check_base_record, base_weight_files, sha256_files,
 #                       deltafy_classes (and the heads-only loader)
@@ -289,11 +289,6 @@ _output = lambda output: output[0] if isinstance(output, tuple) else output  # n
 _with_output = lambda output, h: (h, *output[1:]) if isinstance(output, tuple) else h  # noqa: E731
 
 
-def discard_captures() -> None:
-    """Drop what a forward that failed halfway captured (this thread's): it would stay in memory."""
-    _stash().clear()
-
-
 def first_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The tensor a module's call received first: the stream, for a decoder layer or a norm."""
     return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
@@ -332,6 +327,13 @@ class _SiteCall:
 
     def __call__(self, *args, **kwargs):
         self._ran()
+        try:
+            return self._call(args, kwargs)
+        except BaseException:  # a forward that failed halfway (a GPU out of memory) keeps nothing it captured: a
+            _stash().clear()  # capture's autograd graph holds the weights, which would outlive the model if kept
+            raise
+
+    def _call(self, args: tuple, kwargs: dict):
         output = self._forward(*args, **kwargs)
         return self._sites(args, kwargs, output) if self.enabled else output
 
@@ -510,8 +512,7 @@ class _ExpandedCall(_SiteCall):
         super().__init__(module)
         self.channels, self.expand, self.read, self.final = channels, False, None, None
 
-    def __call__(self, *args, **kwargs):
-        self._ran()
+    def _call(self, args: tuple, kwargs: dict):
         channels = None  # the channels, where this module runs on their view
         if self.expand or self.read is not None:
             x = first_input(args, kwargs)
@@ -781,6 +782,7 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             output = stock_class.forward(self, *args, **kwargs)
             if missed := sum(len(call.writes) for call in calls if not call.ran[thread]):
                 # its modules were replaced or bypassed: this was the stock model's forward
+                _stash().clear()  # (the captures of the writes that did not run)
                 sites = sum(len(call.writes) for call in calls)
                 raise DeltafyError(
                     f"only {sites - missed} of this deltafy model's {sites} residual sites ran: something "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import DeltafyError, first_line
-from ..modeling_deltafy import apply_deltafy, disabled, discard_captures, first_input
+from ..modeling_deltafy import apply_deltafy, disabled, first_input
 from ..options import SELF_CHECK_TOLERANCE
 from ..placement import input_device
 
@@ -166,7 +166,6 @@ def check_site_map(model: nn.Module, input_ids: torch.Tensor, attention_mask=Non
     try:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
     except RuntimeError as err:  # a write before its stream, or a write of the wrong width
-        discard_captures()
         raise DeltafyError(
             f"site map for {spec['base_model_type']!r} does not fit this model: {first_line(err)}"
         ) from err

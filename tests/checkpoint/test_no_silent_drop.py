@@ -6,9 +6,11 @@ model (generate, disabled(), the expanded stream, a training step) still works."
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import threading
 import types
+import weakref
 
 import pytest
 import torch
@@ -45,10 +47,15 @@ def test_swapped_writes_are_refused(tmp_path, auto):
     layers = (model.model if auto is AutoModelForCausalLM else model).layers
     for layer in layers:
         layer.mlp = _fresh_copy(layer.mlp)
+    captured = []  # the context captured for a write that no longer runs: the refusal must not keep it
+    layers[-1].post_attention_layernorm.register_forward_hook(lambda _, __, out: captured.append(weakref.ref(out)))
     with pytest.raises(ValueError, match=REFUSED) as err:
         model(input_ids=ids)
     assert err.type.__name__ == "DeltafyError" and err.type.__module__.startswith("transformers_modules")
     assert "2 of" in str(err.value) and "4 residual" in str(err.value)
+    del err
+    gc.collect()
+    assert captured and captured[0]() is None, "the refused forward's captures are still held"
 
 
 def test_every_module_swapped_and_rebound_is_refused(tmp_path):

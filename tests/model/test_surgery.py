@@ -15,6 +15,7 @@ import weakref
 import pytest
 import torch
 from helpers.models import gates_at, open_gates, tiny_model
+from transformers import AutoModelForCausalLM
 
 import deltafy
 from deltafy import convert, head_parameter_groups, load_recipe
@@ -233,8 +234,6 @@ def test_peft_lora_on_modules_that_are_not_sites():
 def test_a_model_transformers_loaded_keeps_its_sites_through_train_and_eval(tmp_path):
     # transformers >= 5.25 loads with its kernels library on, which takes over the forward of every norm at each
     # train()/eval() switch: the conversion turns it off, else the stream captures would be dropped
-    from transformers import AutoModelForCausalLM
-
     tiny_model("llama-tied").save_pretrained(tmp_path)
     model = convert(AutoModelForCausalLM.from_pretrained(tmp_path))
     open_gates(model)
@@ -294,6 +293,46 @@ def test_a_write_without_its_capture_fails_loudly(llama):
     did not) must raise, never correct with another forward's stream."""
     with pytest.raises(RuntimeError, match="ran before its stream was captured"):
         llama.model.layers[0].mlp(torch.randn(1, 3, llama.config.hidden_size))
+
+
+def _out_of_memory(*_):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize(
+    ("where", "recipe"), [("converted", "ddl-scalar"), ("loaded", "ddl-scalar"), ("converted", "ddl-expanded")]
+)
+def test_a_forward_that_fails_halfway_holds_nothing_of_it(tmp_path, where, recipe):
+    """An out-of-memory error inside a sublayer, between a site's capture and its write: the captured stream
+    and context (and, in training, their autograd graph, which holds the weights) must not stay in the stash,
+    where a notebook that deletes the model to free the GPU would find its memory still taken. The next
+    forward runs as if none had failed. Both the package's surgery and a checkpoint loaded without deltafy."""
+    model = convert(tiny_model("llama-tied"), recipe)
+    open_gates(model)
+    if where == "loaded":
+        deltafy.save(model, tmp_path / "ckpt")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", trust_remote_code=True)
+    ids = _ids(5, (2, 9))
+    expected = _logits(model, ids)
+    layer = model.model.layers[1]
+    captured = []  # the mlp site's context, which its write never reads
+    layer.post_attention_layernorm.register_forward_hook(lambda _, __, out: captured.append(weakref.ref(out)))
+    failing = layer.mlp.down_proj.register_forward_pre_hook(_out_of_memory)
+    model.train()
+    with pytest.raises(torch.OutOfMemoryError):
+        model(input_ids=ids, labels=ids)
+    failing.remove()
+    gc.collect()  # (the exception's traceback holds its frames in a cycle)
+    assert captured and captured[0]() is None, "a failed forward's capture is still held"
+    model.eval()
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=0)
+    layer.mlp.down_proj.register_forward_pre_hook(_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(input_ids=ids, labels=ids)
+    weights = [weakref.ref(p) for p in model.parameters()]
+    del model, layer
+    gc.collect()
+    assert [w for w in weights if w() is not None] == [], "a failed forward keeps the model's weights alive"
 
 
 def test_deepcopy_is_independent(llama):
