@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import typer
+from helpers.docs import code_blocks, join_continued
 
 from deltafy.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = typer.main.get_command(app)  # the click command deltafy's parser is
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
-_FENCE = re.compile(r"```[\w-]*\n(.*?)```", re.S)
 _INLINE = re.compile(r"`(deltafy [^`\n]+)`")
 
 
@@ -25,8 +25,8 @@ def shown_commands(text: str) -> list[str]:
     prompt, settings of the environment and a trailing comment dropped, each command of a ``&&``/``;``/``|``
     chain) and inline code."""
     lines = []
-    for block in _FENCE.findall(text):
-        lines += re.sub(r"\s*\\\n\s*", " ", block).splitlines()
+    for _, block in code_blocks(text):
+        lines += join_continued(block).splitlines()
     lines += _INLINE.findall(text)
     commands = []
     for line in lines:

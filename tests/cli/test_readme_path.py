@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.docs import code_blocks, join_continued
 from helpers.training import subprocess_env
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-_FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 _NUMBER = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?)")
 _MEASURE = re.compile(r"\s?(tok/s|s/step|s\b|KB|MB|B\b)")  # what follows a number that says how fast or how big
 
@@ -27,12 +27,12 @@ def five_minute_path() -> list[tuple[str, str, str | None]]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Five minutes on a CPU") :]
     section = section[: section.index("\n## ", 1)]
-    blocks = _FENCE.findall(section)
+    blocks = code_blocks(section)
     steps = []
     for (lang, code), (next_lang, next_code) in zip(blocks, [*blocks[1:], ("-", "")], strict=True):
         shown = next_code if next_lang == "" else None
         if lang == "bash" and code.lstrip().startswith("deltafy "):
-            steps.append(("deltafy", re.sub(r"\s*\\\n\s*", " ", code).strip(), shown))
+            steps.append(("deltafy", join_continued(code).strip(), shown))
         elif lang == "python":
             steps.append(("python", code, shown))
     return steps
