@@ -25,7 +25,7 @@ from .placement import AUTO, auto_device_map, place, usable_placement
 from .quiet import quiet_transformers
 from .recipe import Recipe
 from .sources.folders import atomic_dir, output_path
-from .sources.load import NO_REMOTE_CODE
+from .sources.load import NO_REMOTE_CODE, saved_converted
 from .surgery import delta_tensors
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def base_record(model, base: str | Path | None, out: Path, provenance: dict) -> 
     """
     from .sources.load import ALIASES, resolve_alias
 
-    known = model.config.deltafy.get("base")  # a model loaded from a heads-only checkpoint
+    known = getattr(model, "deltafy_base", None)  # a model loaded from a heads-only checkpoint
     if base is None and known is not None:
         if "id" in known:
             return {"id": known["id"], "revision": known["revision"]}
@@ -266,6 +266,8 @@ def read_config(path: str | Path) -> dict:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise DeltafyError(f"could not read {file}: {err}") from err
+    if config.get("model_type") != "deltafy" and isinstance(config.get("deltafy"), dict):
+        raise saved_converted(str(path), config.get("model_type"))
     if config.get("model_type") != "deltafy" or not isinstance(config.get("deltafy"), dict):
         raise DeltafyError(f"{path} is not a deltafy checkpoint; convert it first with `deltafy convert`")
     version = config["deltafy"].get("format_version")

@@ -721,8 +721,10 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
         model.hf_quantizer, model.is_quantized = None, False
     model.__class__ = cls
     apply_deltafy(model, model.config.deltafy)
-    if local is not None:  # where it was found, for a heads-only save of this model (kept in memory only)
-        model.config.deltafy = {**model.config.deltafy, "base": {**record, "location": str(local)}}
+    # The base goes on the model, not its config: loaded, this is a full model, which save_pretrained (a Trainer's
+    # save_model) writes whole, and a heads-only save of it finds the base where this load found it
+    model.config.deltafy = {k: v for k, v in model.config.deltafy.items() if k != "base"}
+    model.deltafy_base = record if local is None else {**record, "location": str(local)}
     stored = load_file(cached_file(str(path), HEADS_FILE, **hub, **own))
     if model.base_model is model:  # the bare model: its names lack the causal LM's prefix
         stored = {k.removeprefix(model.base_model_prefix + "."): v for k, v in stored.items()}
@@ -774,6 +776,12 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             _misfit(f"the checkpoint {pretrained_model_name_or_path}", missing, unexpected)
             return (model, info) if with_info else model
 
+        def save_pretrained(self, save_directory, *args, **kwargs):
+            # the tensors under the names they have here: a family's original names (Mixtral's experts one by one)
+            # are not mapped back when a deltafy class loads them
+            kwargs.setdefault("save_original_format", False)
+            return stock_class.save_pretrained(self, save_directory, *args, **kwargs)
+
         @functools.wraps(stock_class.forward)  # (generate reads its signature)
         def forward(self, *args, **kwargs):
             calls, thread = self.__dict__.get("_deltafy_writes", ()), _STASH.thread
@@ -792,6 +800,7 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
             return output
 
         body = dict(config_class=DeltafyConfig, __init__=__init__, from_pretrained=from_pretrained, forward=forward)
+        body |= dict(save_pretrained=save_pretrained)
         # transformers picks a class's attention and expert kernels by reading its module's source: not this file,
         # ask the family (else a full MoE checkpoint would run its experts eagerly, rounding unlike grouped_mm)
         for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):

@@ -103,6 +103,16 @@ def refuse_deltafy_folder(path: Path, what: str) -> None:
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
 
 
+def saved_converted(what: str, model_type: str) -> DeltafyError:
+    """For a config with a deltafy section under its family's own model_type: a model converted in memory and
+    saved with save_pretrained, which transformers loads as the original without its heads."""
+    return DeltafyError(
+        f"{what} holds a model converted in memory and saved with save_pretrained: its config keeps the model type "
+        f"{model_type!r}, which loads as the original without its heads; save a converted model with "
+        f"deltafy.save(model, DIR), or convert the original model"
+    )
+
+
 # Every transformers load names it: left unset, transformers asks on the terminal whether to run a
 # folder's own code (and waits for an answer), which stalls any non-interactive run.
 NO_REMOTE_CODE = {"trust_remote_code": False}
@@ -150,6 +160,8 @@ def load_config(location: str, what: str, **kwargs):
         raise DeltafyError(f"could not read the config of {what}: {first_line(err)}") from err
     if config.model_type == "deltafy":
         raise DeltafyError(f"{what} is already a deltafy model; convert the original model instead")
+    if isinstance(getattr(config, "deltafy", None), dict):
+        raise saved_converted(what, config.model_type)
     layout_for(config)  # fail on unsupported families before reading any weights
     return config
 

@@ -48,6 +48,18 @@ for job in jobs:
         with torch.no_grad():
             out = lm(input_ids=ids, output_hidden_states=True)
             hidden = bare(input_ids=ids).last_hidden_state
+        # trained on with plain transformers and saved as a Trainer's save_model saves, then loaded again
+        with torch.no_grad():
+            for name, param in lm.named_parameters():
+                if ".delta." in name:
+                    param.mul_(1.5)
+            trained = lm(input_ids=ids).logits
+        lm.save_pretrained(job["path"] + "-resaved")
+        again = AutoModelForCausalLM.from_pretrained(job["path"] + "-resaved", trust_remote_code=True).eval()
+        with torch.no_grad():
+            resaved = again(input_ids=ids).logits
+        with open(job["path"] + "-resaved/config.json") as fh:
+            resaved_config = fh.read()
         fired = []
         for name, module in bare.named_modules():
             if type(module).__name__ == "DeltaSite":
@@ -59,6 +71,7 @@ for job in jobs:
             "lm_class": type(lm).__name__, "bare_class": type(bare).__name__,
             "bare_base": type(bare).__mro__[1].__name__, "fired": sorted(set(fired)),
             "kernels": [getattr(lm.config, f"_{kind}_implementation", None) for kind in ("attn", "experts")],
+            "trained": trained, "resaved": resaved, "resaved_config": resaved_config,
         }
     except Exception:
         results[job["key"]] = {"error": traceback.format_exc()}
@@ -132,6 +145,34 @@ def test_heads_only_and_full_load_bitwise_equal_without_deltafy(pairs, case):
     loaded = deltafy.load(entry["heads"])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=entry["ids"]).logits, in_memory)
+
+
+@pytest.mark.parametrize("kind", ["full", "heads"])
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_a_checkpoint_trained_on_and_saved_with_plain_transformers_loads_as_it_was_saved(pairs, case, kind):
+    # (loaded from a heads-only folder it is a full model: saved so, with no base to look for and no path of
+    # this machine in its config)
+    entries, results = pairs
+    result = results[f"{kind}-{case}"]
+    assert "error" not in result, result.get("error")
+    assert not torch.equal(result["trained"], result["logits"]), "the heads changed"
+    assert torch.equal(result["resaved"], result["trained"])
+    config = json.loads(result["resaved_config"])
+    assert config["model_type"] == "deltafy" and "base" not in config["deltafy"]
+    assert str(entries[case]["stock"].parent) not in result["resaved_config"]
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CASES])
+def test_a_heads_only_checkpoint_deltafy_loaded_saves_whole_and_keeps_its_base_apart(pairs, case, tmp_path):
+    entry = pairs[0][case]
+    model = deltafy.load(entry["heads"])
+    model.save_pretrained(tmp_path / "resaved")
+    assert "base" not in json.loads((tmp_path / "resaved" / "config.json").read_text())["deltafy"]
+    with torch.no_grad():
+        want = model(input_ids=entry["ids"]).logits
+        assert torch.equal(deltafy.load(tmp_path / "resaved")(input_ids=entry["ids"]).logits, want)
+    # where its base was found stays on the model, for a heads-only save of it
+    assert model.deltafy_base["location"] == str(entry["stock"].resolve())
 
 
 @pytest.mark.parametrize("kind", ["full", "heads"])

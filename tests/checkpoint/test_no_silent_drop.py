@@ -181,3 +181,21 @@ def test_compiled_code_counts_the_sites_of_the_thread_that_runs_it(tmp_path, com
         torch.testing.assert_close(got[name], expected, rtol=0, atol=1e-6, msg=name)
     for name in ("swapped, main", "swapped, thread"):
         assert re.match(REFUSED, got[name]) and "3 of" in got[name], (name, got[name])
+
+
+def test_a_converted_model_saved_with_save_pretrained_is_named_for_what_it_is(tmp_path):
+    # A model converted in memory keeps its family's class and model_type, so save_pretrained writes a folder
+    # that transformers loads as the original, its heads left over: deltafy names that, on load and on convert,
+    # rather than calling it unconverted (and converting it again would start the heads afresh).
+    from helpers.cli import assert_one_line_error
+    from helpers.training import run_cli
+
+    model = deltafy.convert(tiny_model("llama-untied"))
+    randomize_heads(model)
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(deltafy.DeltafyError, match="converted in memory and saved with save_pretrained") as err:
+        deltafy.load(tmp_path / "saved")
+    assert "deltafy.save(model, DIR)" in str(err.value) and "\n" not in str(err.value)
+    proc = run_cli("convert", tmp_path / "saved", "--out", tmp_path / "again", cwd=tmp_path)
+    assert_one_line_error(proc, "converted in memory and saved with save_pretrained", "'llama'")
+    assert not (tmp_path / "again").exists()
