@@ -278,6 +278,9 @@ def read_config(path: str | Path) -> dict:
         )
     # What the modeling file checks when it loads, checked here first: before a run reads its data,
     # and before a heads-only checkpoint hashes its base.
+    recipe = config["deltafy"].get("recipe")
+    if not isinstance(recipe, (dict, type(None))) or not isinstance((recipe or {}).get("training"), (dict, type(None))):
+        raise DeltafyError(f"invalid {file}: deltafy.recipe and its training section must be objects")
     try:
         modeling_deltafy.DeltaSpec.from_dict(config["deltafy"])
         if "base" in config["deltafy"]:

@@ -43,6 +43,8 @@ def expand(paths: list[str]) -> list[str]:
     """
     found: list[str] = []
     for raw in paths:
+        if not raw.strip():  # Path("") is the current folder: an unset variable would read all that is there
+            raise DeltafyError("an empty path was given as text to read; pass a file, a folder, a glob or a dataset")
         typed = os.path.expanduser(raw)
         path = Path(typed)
         if path.is_dir():

@@ -177,6 +177,8 @@ def options_from(recipe_training: dict | None, model: type[BaseModel] = TrainOpt
         for k, v in (recipe_training or {}).items()
         if k in model.model_fields or k not in TrainingDefaults.model_fields
     }
+    if "tokens" in given:  # a run's length given as tokens replaces the recipe's steps (which would win over it)
+        section.pop("steps", None)
     try:
         return model.model_validate({**section, **given})
     except ValidationError as err:

@@ -18,9 +18,10 @@ FORMAT = 1
 
 def guard(out: Path, resume: bool, overwrite: bool) -> dict | None:
     """The bench saved in ``out`` when resuming, after refusing what would write over the user's files."""
-    from ..sources.folders import holds_files, refuse_non_folder
+    from ..sources.folders import check_writable, holds_files, refuse_non_folder
 
     refuse_non_folder(out)
+    check_writable(out)
     saved = read(out / BENCH_FILE)
     if not holds_files(out):
         return None

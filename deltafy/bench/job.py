@@ -61,10 +61,12 @@ def run_bench(
     ``isolate`` runs each training run in a child process, which is how peak RSS is measured on a
     CPU (default: on a CPU only; on CUDA the peak is CUDA's own).
     """
+    from ..checkpoint import read_config
     from ..conversion.job import guard_source
     from ..data import expand, refuse_shared_text
     from ..options import bench_options
     from ..sources.folders import output_path, refuse_overlap
+    from ..training.launch import check_seq_len
 
     out = Path(out).expanduser()  # (the user's spelling, for the guards' messages; then where it leads)
     names = parse_arms(arms)
@@ -112,6 +114,7 @@ def run_bench(
         made = [out / "models" / recipe for recipe in recipes if not (out / "models" / recipe).exists()]
         try:
             models = {recipe: converted(source, out / "models" / recipe, recipe, status) for recipe in recipes}
+            check_seq_len(read_config(models[recipes[0]]), seq_len)  # (as train checks it, before a run)
             settings |= data_fingerprints(models[recipes[0]], data, eval_data, seq_len, text_field, status)
             if saved is not None:
                 compare(saved["settings"], settings, out)
@@ -123,6 +126,7 @@ def run_bench(
                     (out / "models").rmdir()
             raise
         state = saved or {"format": FORMAT, "settings": settings, "sweep": [], "records": []}
+        write(out / BENCH_FILE, state)  # from here on the folder is this bench's: --resume and --overwrite take it
         status("counting trainable parameters")
         budgets = Budgets(models, lora_targets)
         report = progress or (lambda done, total, what: None)

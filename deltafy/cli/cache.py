@@ -104,5 +104,6 @@ def clear_command(
     for k in removed:
         count = f"{k.entries} {'entry' if k.entries == 1 else 'entries'}"
         _say(f"removed {k.what}: {count}, {human_size(k.bytes)} ({k.folder})")
-    freed = sum(k.bytes for k in removed)
-    _say(f"freed {human_size(freed)} in {cache_dir()}")
+    freed, linked = sum(k.bytes - k.linked for k in removed), sum(k.linked for k in removed)
+    kept = f" ({human_size(linked)} more stays on disk: hard-linked into checkpoints you converted)" if linked else ""
+    _say(f"freed {human_size(freed)} in {cache_dir()}{kept}")

@@ -19,6 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 
@@ -107,12 +108,16 @@ class KindInfo:
     folder: Path
     entries: int
     bytes: int
+    linked: int = 0  # of those bytes, in files also linked from elsewhere (a checkpoint's shard): removing frees none
 
 
-def _size(path: Path) -> int:
-    if path.is_symlink() or path.is_file():
-        return path.lstat().st_size
-    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_symlink() or p.is_file())
+def _sizes(path: Path) -> tuple[int, int]:
+    """The bytes of ``path``'s files, and of those whose data another hard link keeps on disk."""
+    files = (
+        [path] if path.is_symlink() or path.is_file() else [p for p in path.rglob("*") if p.is_symlink() or p.is_file()]
+    )
+    stats = [p.lstat() for p in files]
+    return sum(s.st_size for s in stats), sum(s.st_size for s in stats if s.st_nlink > 1 and S_ISREG(s.st_mode))
 
 
 # The names deltafy gives what it writes in each kind's folder; anything else there is not deltafy's,
@@ -151,8 +156,12 @@ def cache_info() -> list[KindInfo]:
     infos = []
     for kind, what in KINDS.items():
         folder = root / kind
-        size = sum(_size(p) for p in _own(folder, kind))
-        infos.append(KindInfo(kind, what, folder, len(_entries(folder, kind)), size))
+        sizes = [_sizes(p) for p in _own(folder, kind)]
+        infos.append(
+            KindInfo(
+                kind, what, folder, len(_entries(folder, kind)), sum(a for a, _ in sizes), sum(b for _, b in sizes)
+            )
+        )
     return infos
 
 

@@ -86,7 +86,13 @@ class RunLock:
         except OSError as err:
             raise DeltafyError(f"could not create --out {self.out}: {err.strerror or err}") from err
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:  # a folder that exists but cannot be written in
+                self._cleanup_out()
+                raise DeltafyError(
+                    f"cannot write --out {self.out}: {err.strerror or err}; choose another --out"
+                ) from err
             if not try_lock(fd):
                 message = in_use(self.out)
                 os.close(fd)

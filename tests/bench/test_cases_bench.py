@@ -10,7 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers.cases import Case, assert_case, run_table
+from helpers.cases import Case, assert_case, mount_tmpfs, run_table, unmount_all
+from helpers.training import run_cli
 
 # slow: child processes and training runs (the quick run, -m 'not slow', leaves them to CI)
 pytestmark = pytest.mark.slow
@@ -52,6 +53,21 @@ def _diverged_and_went_on(paths: dict) -> None:
     assert sweep[1e30]["validation_loss"] is None and "NaN/inf" in sweep[1e30]["diverged"], sweep
     assert sweep[1.0]["validation_loss"] is not None
     assert [r["lr_multiplier"] for r in state["records"]] == [1.0]
+
+
+def _read_only_out(here: Path, paths: dict) -> None:
+    (here / "ro").mkdir()
+    mount_tmpfs(here / "ro", "ro,size=1m")
+
+
+def _resumes_where_it_stopped(paths: dict) -> None:
+    # interrupted in its first run, the folder is the bench's: bench.json says so, and --resume finishes it
+    here = Path(paths["here"])
+    assert json.loads((here / "o" / "bench.json").read_text())["records"] == []
+    argv = [a.format(**paths) for a in _bench("{here}/o")]
+    proc = run_cli(*argv, "--resume", cwd=here, env={"DELTAFY_CACHE": str(here / "cache")}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["arm"] for r in json.loads((here / "o" / "bench.json").read_text())["records"]] == ["heads"]
 
 
 STATUS = ("bench: ",)  # off a terminal the bench says what it does, a line a step, on stderr
@@ -111,6 +127,32 @@ CASES = [
         notices=STATUS,
     ),
     Case(
+        "a-block-longer-than-the-models-positions-is-refused-before-its-first-run",
+        [*_bench("{here}/o"), "--seq-len", "100000"],
+        1,
+        "--seq-len 100000 is longer than the model's",
+        absent=("{here}/o",),
+        notices=STATUS,
+    ),
+    Case(
+        "sigint-in-its-first-run-resumes",  # once a folder deltafy then refused whatever the flags
+        _bench("{here}/o"),
+        130,
+        "interrupted; the 0 runs the bench finished are kept in {here}/o/bench.json: continue with the same",
+        interrupt=(signal.SIGINT, "o/runs/heads"),
+        check=_resumes_where_it_stopped,
+        notices=STATUS,
+    ),
+    Case(
+        "read-only-out",  # an existing folder: once an internal error from the lock
+        _bench("{here}/ro"),
+        1,
+        "cannot write --out {here}/ro: {here}/ro is not writable",
+        needles=("Read-only file system",),
+        prepare=_read_only_out,
+        notices=STATUS,
+    ),
+    Case(
         "sigterm-while-converting",
         _bench("{here}/o"),
         143,
@@ -126,7 +168,10 @@ CASES = [
 def runs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-cases")
     paths = {"stock": str(tiny.stock), "train": str(tiny.train_txt), "held": str(tiny.held_txt)}
-    return run_table(CASES, paths, root, env={"DELTAFY_CACHE": str(root / "cache")}, timeout=600)
+    try:
+        return run_table(CASES, paths, root, env={"DELTAFY_CACHE": str(root / "cache")}, timeout=600)
+    finally:
+        unmount_all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

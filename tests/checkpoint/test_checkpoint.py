@@ -694,6 +694,24 @@ def test_load_refuses_a_dtype_name_torch_does_not_have(tmp_path, small_converted
     assert next(deltafy.load(out, dtype="bfloat16").parameters()).dtype == torch.bfloat16
 
 
+def test_a_config_whose_recipe_is_not_an_object_is_refused_in_one_line(tmp_path, small_converted):
+    # (eval and inspect read a trained folder's recipe for its run's settings: once an internal error)
+    from deltafy.evaluate import run_settings
+
+    out = deltafy.save(small_converted, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    for recipe in ("ddl-scalar", {"name": "mine", "training": ["seq_len", 64]}):
+        config["deltafy"]["recipe"] = recipe
+        (out / "config.json").write_text(json.dumps(config))
+        for read in (deltafy.load, run_settings):
+            with pytest.raises(deltafy.DeltafyError) as err:
+                read(str(out))
+            assert (
+                str(err.value)
+                == f"invalid {out / 'config.json'}: deltafy.recipe and its training section must be objects"
+            )
+
+
 def test_a_config_whose_spec_could_not_run_is_refused_naming_the_field(tmp_path, small_converted):
     out = deltafy.save(small_converted, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())

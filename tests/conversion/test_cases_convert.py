@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cases import Case, assert_case, run_table
+from helpers.cases import MOUNTS, Case, assert_case, mount_tmpfs, run_table, unmount_all
 from helpers.training import build_stock_model
 
 from deltafy.modeling_deltafy import HEADS_FILE
@@ -99,13 +99,13 @@ def _empty_volume(here: Path, paths: dict) -> dict:
     mounted into a container (``docker run -v``) whose root filesystem is read-only."""
     (here / "root" / "vol").mkdir(parents=True)
     _bind_read_only(here / "root")
-    _mount_tmpfs(here / "root" / "vol", "size=64m")
+    mount_tmpfs(here / "root" / "vol", "size=64m")
     return {"identity": _identity(here / "root" / "vol")}
 
 
 def _output_volume(here: Path, paths: dict) -> None:
     (here / "vol").mkdir()
-    _mount_tmpfs(here / "vol", "size=64m")
+    mount_tmpfs(here / "vol", "size=64m")
     shutil.copytree(paths["delta"], here / "vol", dirs_exist_ok=True)
 
 
@@ -177,28 +177,18 @@ def _gguf_cache(here: Path, paths: dict) -> None:
 
 def _read_only(here: Path, paths: dict) -> None:
     (here / "ro").mkdir()
-    _mount_tmpfs(here / "ro", "ro,size=1m")
+    mount_tmpfs(here / "ro", "ro,size=1m")
 
 
 def _full_disk(here: Path, paths: dict) -> None:
     (here / "small").mkdir()
-    _mount_tmpfs(here / "small", "size=300k")
-
-
-MOUNTS: list[Path] = []
+    mount_tmpfs(here / "small", "size=300k")
 
 
 def _bind_read_only(where: Path) -> None:
     for args in (["--bind", str(where), str(where)], ["-o", "remount,bind,ro", str(where)]):
         proc = subprocess.run(["mount", *args], capture_output=True, text=True)
         assert proc.returncode == 0, f"could not make {where} read-only: {proc.stderr}"
-    MOUNTS.append(where)
-
-
-def _mount_tmpfs(where: Path, options: str) -> None:
-    """A small or read-only filesystem of its own (tmpfs; the test machines run as root)."""
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-    assert proc.returncode == 0, f"could not mount a tmpfs at {where}: {proc.stderr}"
     MOUNTS.append(where)
 
 
@@ -533,9 +523,7 @@ def runs(tiny, tmp_path_factory):
     try:
         yield run_table(CASES, paths, root, env={"DELTAFY_CACHE": str(root / "cache")})
     finally:
-        for where in reversed(MOUNTS):
-            subprocess.run(["umount", "-l", str(where)], check=False)
-        MOUNTS.clear()
+        unmount_all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -177,3 +177,19 @@ def assert_case(case: Case, result: Result) -> None:
 
 
 __all__ = ["Case", "Result", "assert_case", "digest", "run_table", "signal"]
+
+
+MOUNTS: list[Path] = []  # what rows' prepare mounted (the test machines run as root): unmount_all() undoes them
+
+
+def mount_tmpfs(where: Path, options: str) -> None:
+    """A small or read-only filesystem of its own at ``where`` (tmpfs)."""
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"could not mount a tmpfs at {where}: {proc.stderr}"
+    MOUNTS.append(where)
+
+
+def unmount_all() -> None:
+    for where in reversed(MOUNTS):
+        subprocess.run(["umount", "-l", str(where)], check=False)
+    MOUNTS.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers.cli import assert_one_line_error, cli
@@ -122,3 +123,20 @@ def test_cache_clear_leaves_what_deltafy_did_not_write_in_its_folders(tmp_path):
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
     assert left == ["gguf", "gguf/notes.txt", "tokens", "tokens/corpus.txt", "tokens/mine"]
     assert (root / "gguf" / "notes.txt").read_text() == "mine"
+
+
+def test_cache_clear_does_not_count_what_a_checkpoint_still_links(tmp_path):
+    # a GGUF conversion hard-links the cache's dequantized shard into its checkpoint: clearing frees none of it
+    root = tmp_path / "cache"
+    entry = root / "gguf" / "0123456789abcdef"
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(b"x" * 5000)
+    (entry / "config.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    os.link(entry / "model.safetensors", tmp_path / "ckpt" / "model.safetensors")
+    proc = cli("cache", "clear", "--all", cwd=tmp_path, env={"DELTAFY_CACHE": str(root)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        f"freed 2 B in {root} (5.0 kB more stays on disk: hard-linked into checkpoints you converted)"
+    )
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == b"x" * 5000

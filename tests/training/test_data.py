@@ -476,6 +476,9 @@ def test_unreadable_inputs_are_one_line_errors(tmp_path, tok):
     one_line_error(lambda: token_stream([str(tmp_path / "missing.txt")], tok), "data not found")
     (tmp_path / "empty-folder").mkdir()
     one_line_error(lambda: token_stream([str(tmp_path / "empty-folder")], tok), "holds no text files")
+    # an empty path (an unset variable: --data "$DATA") is not the current folder
+    for empty in ("", "  "):
+        one_line_error(lambda e=empty: token_stream([e], tok), "an empty path was given as text to read")
 
 
 def test_too_little_text_for_one_block(tmp_path, tok):

@@ -144,6 +144,14 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tiny, tmp_path
     assert not (out / LOCK_FILE).exists() and (out / "config.json").is_file()
 
 
+def test_a_lock_that_cannot_be_made_is_a_one_line_error(tmp_path):
+    # (a folder that cannot be written in: as root, a lock file's name taken by a folder stands for it)
+    (tmp_path / "run" / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(DeltafyError, match=f"cannot write --out {tmp_path / 'run'}: Is a directory"):
+        RunLock(tmp_path / "run").__enter__()
+    assert (tmp_path / "run" / LOCK_FILE).is_dir()  # the folder it found stays as it was
+
+
 def test_a_folder_a_run_holds_is_not_replaced_by_another_command(tiny, finished, tmp_path):
     """convert --overwrite (or deltafy.save) of a live run's --out would leave the run writing into a
     deleted folder; refused before any work, and again as the output is swapped in."""

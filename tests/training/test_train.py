@@ -652,6 +652,9 @@ def test_planned_steps():
     assert planned_steps(options_from(None, tokens=1000, seq_len=10, batch_size=3, grad_accum=2), 2) == 9  # 1000/120
     assert planned_steps(options_from({"tokens": 1000, "seq_len": 10}, batch_size=3, grad_accum=2), 2) == 9
     assert planned_steps(options_from({"steps": 4}, steps=None), 1) == 4  # an unset flag keeps the recipe's
+    # a budget in tokens given as a flag replaces a recipe's (or a trained folder's) steps, and is what is recorded
+    given = options_from({"steps": 3, "seq_len": 32}, tokens=640, batch_size=2)
+    assert planned_steps(given, 1) == 10 and given.steps is None and given.tokens == 640
     assert planned_steps(options_from(None), 1) == 200
 
 
