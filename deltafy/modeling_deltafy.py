@@ -556,7 +556,8 @@ def _expand(layers: nn.ModuleList, sites: list, call, place: dict) -> None:
 # -- the checkpoint's classes --------------------------------------------------------------------
 # A heads-only (delta) checkpoint stores only the heads, in HEADS_FILE, and names its base in the config's deltafy
 # section: {"id", "revision"} on the Hub, or {"path", "sha256"} on disk (a folder or a .gguf file, the path relative
-# to the checkpoint folder, the hashes of its weight files).
+# to the checkpoint folder, the hashes of its weight files). Loaded, it is a full model whose config names no base:
+# the record, and where the base was found, are its ``deltafy_base``.
 HEADS_FILE = "deltafy_heads.safetensors"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "token")
 _PASS_BASE = "--base PATH (deltafy_base=PATH in Python)"  # deltafy's command line, and from_pretrained's keyword
@@ -721,8 +722,7 @@ def _from_base(cls, stock_class: type, path, config, kwargs: dict):
         model.hf_quantizer, model.is_quantized = None, False
     model.__class__ = cls
     apply_deltafy(model, model.config.deltafy)
-    # The base goes on the model, not its config: loaded, this is a full model, which save_pretrained (a Trainer's
-    # save_model) writes whole, and a heads-only save of it finds the base where this load found it
+    # (save_pretrained, a Trainer's save_model, writes it whole; a heads-only save finds the base where this did)
     model.config.deltafy = {k: v for k, v in model.config.deltafy.items() if k != "base"}
     model.deltafy_base = record if local is None else {**record, "location": str(local)}
     stored = load_file(cached_file(str(path), HEADS_FILE, **hub, **own))
