@@ -172,14 +172,27 @@ def _drop_tokenizer_auto_map(folder: Path) -> None:
 
 def _base_model_class(model) -> type:
     # A model loaded by deltafy.load is already a Deltafy subclass: save its base family.
-    cls = type(model)
-    return cls.__mro__[1] if cls.__name__ == "DeltafyForCausalLM" else cls
+    return next(cls for cls in type(model).__mro__ if cls.__name__ != "DeltafyForCausalLM")
 
 
 def _bare_model_class(model) -> type:
     """The base family's bare model (LlamaModel, GPT2Model, OPTModel), for AutoModel."""
-    cls = type(model.base_model)
-    return cls.__mro__[1] if cls.__name__ == "DeltafyModel" else cls
+    return next(cls for cls in type(model.base_model).__mro__ if cls.__name__ != "DeltafyModel")
+
+
+def _saving_its_code(model_class: type, source: str) -> type:
+    """``model_class`` whose save_pretrained also writes the checkpoint's modeling file (``source``), which the
+    config's auto_map names: transformers copies a folder's code beside the weights for a model loaded with
+    trust_remote_code, and deltafy.load runs deltafy's own classes instead."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = model_class.save_pretrained(self, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            (Path(save_directory) / MODELING_FILE).write_text(source)
+        return result
+
+    body = {"save_pretrained": save_pretrained, "__module__": model_class.__module__}
+    return type(model_class.__name__, (model_class,), body | {"__qualname__": model_class.__qualname__})
 
 
 def _save_config(model, folder: Path) -> None:
@@ -378,6 +391,7 @@ def load(
     config_class, model_class, _ = modeling_deltafy.deltafy_classes(
         base_config_class, base_model_class, bare_model_class
     )
+    model_class = _saving_its_code(model_class, modeling_source(base_config_class, base_model_class, bare_model_class))
     if base is not None:
         kwargs["deltafy_base"] = str(base)
     folder = Path(path).expanduser()

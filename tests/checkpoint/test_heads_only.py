@@ -162,13 +162,19 @@ def test_a_checkpoint_trained_on_and_saved_with_plain_transformers_loads_as_it_w
 
 @pytest.mark.parametrize("case", [c for c, _ in CASES])
 def test_a_heads_only_checkpoint_deltafy_loaded_saves_whole_and_keeps_its_base_apart(pairs, case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     entry = pairs[0][case]
     model = deltafy.load(entry["heads"])
     model.save_pretrained(tmp_path / "resaved")
     assert "base" not in json.loads((tmp_path / "resaved" / "config.json").read_text())["deltafy"]
+    # the modeling file its config names is there, the folder's own: plain transformers loads it too
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", trust_remote_code=True)
+    assert type(again).__module__ != type(model).__module__
     with torch.no_grad():
         want = model(input_ids=entry["ids"]).logits
         assert torch.equal(deltafy.load(tmp_path / "resaved")(input_ids=entry["ids"]).logits, want)
+        assert torch.equal(again(input_ids=entry["ids"]).logits, want)
     # where its base was found stays on the model, for a heads-only save of it
     assert model.deltafy_base["location"] == str(entry["stock"].resolve())
 
