@@ -279,9 +279,10 @@ def read_config(path: str | Path) -> dict:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise DeltafyError(f"could not read {file}: {err}") from err
-    if config.get("model_type") != "deltafy" and isinstance(config.get("deltafy"), dict):
-        raise saved_converted(str(path), config.get("model_type"))
-    if config.get("model_type") != "deltafy" or not isinstance(config.get("deltafy"), dict):
+    section = config.get("deltafy")
+    if config.get("model_type") != "deltafy" or not isinstance(section, dict):
+        if isinstance(section, dict):  # (the section without deltafy's model type)
+            raise saved_converted(str(path), config.get("model_type"))
         raise DeltafyError(f"{path} is not a deltafy checkpoint; convert it first with `deltafy convert`")
     version = config["deltafy"].get("format_version")
     if version != modeling_deltafy.DELTAFY_FORMAT_VERSION:
@@ -289,11 +290,11 @@ def read_config(path: str | Path) -> dict:
             f"{path} uses deltafy checkpoint format {version}; this deltafy reads format "
             f"{modeling_deltafy.DELTAFY_FORMAT_VERSION}"
         )
-    # What the modeling file checks when it loads, checked here first: before a run reads its data,
-    # and before a heads-only checkpoint hashes its base.
-    recipe = config["deltafy"].get("recipe")
+    recipe = section.get("recipe")  # (eval and inspect read a trained folder's settings from its training section)
     if not isinstance(recipe, (dict, type(None))) or not isinstance((recipe or {}).get("training"), (dict, type(None))):
         raise DeltafyError(f"invalid {file}: deltafy.recipe and its training section must be objects")
+    # What the modeling file checks when it loads, checked here first: before a run reads its data,
+    # and before a heads-only checkpoint hashes its base.
     try:
         modeling_deltafy.DeltaSpec.from_dict(config["deltafy"])
         if "base" in config["deltafy"]:

@@ -799,8 +799,13 @@ def deltafy_classes(base_config_class: type, base_model_class: type, bare_model_
                 )
             return output
 
-        body = dict(config_class=DeltafyConfig, __init__=__init__, from_pretrained=from_pretrained, forward=forward)
-        body |= dict(save_pretrained=save_pretrained)
+        body = dict(
+            config_class=DeltafyConfig,
+            __init__=__init__,
+            from_pretrained=from_pretrained,
+            save_pretrained=save_pretrained,
+            forward=forward,
+        )
         # transformers picks a class's attention and expert kernels by reading its module's source: not this file,
         # ask the family (else a full MoE checkpoint would run its experts eagerly, rounding unlike grouped_mm)
         for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
